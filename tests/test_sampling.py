@@ -1,0 +1,192 @@
+"""Sampling warps and the three verify rules.
+
+The statistical tests simulate generation of two tokens with adversarial target (p)
+and draft (q) distributions on a 4-token vocabulary and compare the empirical joint
+law of the two emitted tokens with the target's p1(x1) p2(x2 | x1) by a chi-square
+test. `test_checker_rejects_wrong_rules` shows the same test, with the same sample
+size, fails rules that are subtly wrong, so a pass means something.
+"""
+
+import math
+
+import pytest
+import torch
+
+from dflash.engine.config import SamplingParams
+from dflash.engine.sampling import sample, verify_greedy, verify_probabilistic, verify_strict, warp
+
+V, K, N = 4, 2, 12000
+
+
+def test_warp_temperature_topk_topp():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    p = warp(logits, SamplingParams(temperature=1.0))
+    assert torch.allclose(p, logits.softmax(-1))
+    p = warp(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (p[2:] == 0).all() and torch.allclose(p[:2], logits[:2].softmax(-1))
+    full = logits.softmax(-1)  # 0.644, 0.237, 0.087, 0.032
+    p = warp(logits, SamplingParams(temperature=1.0, top_p=0.7))  # needs the first two to reach 0.7
+    assert (p[2:] == 0).all() and p[:2].sum() == pytest.approx(1.0)
+    p = warp(logits, SamplingParams(temperature=1.0, top_p=0.5))  # the top token alone reaches 0.5
+    assert p[0] == 1.0
+    p = warp(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(p, (logits / 0.5).softmax(-1))
+    assert full[0] < p[0]
+
+
+def test_greedy_rule():
+    logits = torch.eye(V)[[1, 2, 3]] * 5  # argmax 1, 2, 3
+    assert verify_greedy(torch.tensor([1, 2]), logits) == (2, 3)  # all accepted, bonus 3
+    assert verify_greedy(torch.tensor([1, 0]), logits) == (1, 2)  # second rejected, target's 2
+    assert verify_greedy(torch.tensor([0, 2]), logits) == (0, 1)  # a later match does not count
+    assert verify_greedy(torch.empty(0, dtype=torch.long), logits[:1]) == (0, 1)
+
+
+# --- the simulated world ----------------------------------------------------------
+
+
+def target_row(prefix: tuple) -> torch.Tensor:
+    """p(. | prefix): a fixed, prefix-dependent law with zeros in it."""
+    table = {
+        (): [0.5, 0.3, 0.2, 0.0],
+    }
+    if prefix in table:
+        return torch.tensor(table[prefix])
+    h = (sum((i + 1) * (t + 1) for i, t in enumerate(prefix)) * 7) % 5
+    rows = [[0.1, 0.2, 0.3, 0.4], [0.7, 0.0, 0.0, 0.3], [0.25, 0.25, 0.25, 0.25], [0.0, 0.0, 1.0, 0.0], [0.05, 0.6, 0.05, 0.3]]
+    return torch.tensor(rows[h])
+
+
+def draft_rows(case: str) -> torch.Tensor:
+    """q_1..q_K (factorised, as a block drafter proposes)."""
+    if case == "equal":  # q equals p at position 1
+        return torch.stack([target_row(()), torch.tensor([0.1, 0.2, 0.3, 0.4])])
+    if case == "disjoint":  # q's support misses p's entirely at position 1
+        return torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
+    if case == "onehot":  # deterministic drafter
+        return torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
+    if case == "zeros":  # zeros in q where p has mass
+        return torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.6, 0.0, 0.4, 0.0]])
+    raise ValueError(case)
+
+
+def simulate_two_tokens(rule, case: str, gen: torch.Generator, k: int = K) -> tuple[int, int]:
+    out: list[int] = []
+    q = draft_rows(case)[:k]
+    while len(out) < 2:
+        drafts = sample(q, gen)
+        prefix = tuple(out)
+        rows = [target_row(prefix)]
+        for d in drafts.tolist():
+            prefix = prefix + (d,)
+            rows.append(target_row(prefix))
+        p = torch.stack(rows)
+        a, nxt = rule(drafts, q, p, gen)
+        out += drafts.tolist()[:a] + [nxt]
+    return out[0], out[1]
+
+
+def expected_joint() -> torch.Tensor:
+    p1 = target_row(())
+    return torch.stack([p1[x] * target_row((x,)) for x in range(V)])
+
+
+def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor, z: float = 3.72) -> tuple[bool, str]:
+    """Pearson chi-square against a 1e-4 critical value (Wilson-Hilferty); cells the
+    target gives probability 0 must never be seen."""
+    n = counts.sum()
+    zero = probs == 0
+    if counts[zero].sum() > 0:
+        return False, f"impossible outcomes seen: {counts[zero].sum().item()}"
+    expected = probs[~zero] * n
+    stat = float(((counts[~zero] - expected) ** 2 / expected).sum())
+    df = int((~zero).sum()) - 1
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < crit, f"chi2 {stat:.1f} vs critical {crit:.1f} (df {df})"
+
+
+def run_rule(rule, case, k=K, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V, V)
+    for _ in range(N):
+        x1, x2 = simulate_two_tokens(rule, case, gen, k)
+        counts[x1, x2] += 1
+    return chi_square_ok(counts.flatten(), expected_joint().flatten())
+
+
+def strict(drafts, q, p, gen):
+    return verify_strict(drafts, p, gen)
+
+
+def probabilistic(drafts, q, p, gen):
+    return verify_probabilistic(drafts, q, p, gen)
+
+
+@pytest.mark.parametrize(
+    "case, k", [("equal", 2), ("disjoint", 2), ("onehot", 2), ("zeros", 2), ("equal", 1), ("zeros", 1)]
+)
+@pytest.mark.parametrize("rule", [strict, probabilistic], ids=["strict", "probabilistic"])
+def test_rule_output_follows_target_distribution(rule, case, k):
+    # k = 1: a fully accepted step emits the draft and the bonus, so the bonus rule is tested too.
+    ok, detail = run_rule(rule, case, k)
+    assert ok, detail
+
+
+# --- deliberately wrong rules: the checker must catch them ----------------------------
+
+
+def wrong_resample_from_p(drafts, q, p, gen):
+    """Accept with min(1, p/q) but resample from p instead of the residual."""
+    k = len(drafts)
+    for i in range(k):
+        d = int(drafts[i])
+        if q[i, d] > 0 and torch.rand(1, generator=gen).item() * q[i, d] <= p[i, d]:
+            continue
+        return i, int(sample(p[i], gen))
+    return k, int(sample(p[k], gen))
+
+
+def wrong_accept_with_p(drafts, q, p, gen):
+    """Accept with probability p(d) (ignoring q), residual as if q were used."""
+    k = len(drafts)
+    for i in range(k):
+        d = int(drafts[i])
+        if torch.rand(1, generator=gen).item() <= p[i, d]:
+            continue
+        res = (p[i] - q[i]).clamp_min(0)
+        return i, int(sample(res / res.sum() if res.sum() > 0 else p[i], gen))
+    return k, int(sample(p[k], gen))
+
+
+def wrong_bonus_row(drafts, q, p, gen):
+    """Correct acceptance, but the bonus token drawn from the wrong row (p_K, not p_{K+1})."""
+    a, nxt = verify_probabilistic(drafts, q, p, gen)
+    if a == len(drafts):
+        return a, int(sample(p[a - 1], gen))
+    return a, nxt
+
+
+@pytest.mark.parametrize(
+    "rule, case, k",
+    [(wrong_resample_from_p, "zeros", 2), (wrong_accept_with_p, "zeros", 2), (wrong_bonus_row, "equal", 1)],
+)
+def test_checker_rejects_wrong_rules(rule, case, k):
+    ok, detail = run_rule(rule, case, k)
+    assert not ok, f"a wrong rule passed: {detail}"
+
+
+# --- the engine end to end --------------------------------------------------------
+
+
+@pytest.mark.parametrize("verify", ["strict", "probabilistic"])
+def test_same_seed_same_output(tiny_engine, verify):
+    from dflash.engine.engine import GenerationRequest
+
+    def run(seed):
+        req = GenerationRequest(
+            input_ids=[5, 6, 7], max_new_tokens=20, temperature=0.9, top_p=0.95, top_k=20, seed=seed, verify=verify
+        )
+        return tiny_engine.generate(req).output_ids
+
+    assert run(11) == run(11)
+    assert any(run(11) != run(s) for s in (12, 13, 14))

@@ -1,0 +1,138 @@
+"""The `dflash` command: argument parsing only; the work lives in the engine and models modules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dflash.errors import DFlashError
+
+RANDOM_DRAFTER_WARNING = (
+    "warning: no trained default drafter ships yet; using a random-weight drafter. "
+    "Output is exactly the target's, but drafts are rarely accepted (tau ~ 1). For tests only."
+)
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"input ids must be comma-separated integers, got '{text}'") from None
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="Hugging Face model folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", help="DFlash drafter folder, published layout (default: the project's drafter)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--input-ids", type=_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, help="1 = plain decoding; default: the drafter's block size")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--verify", choices=["greedy", "strict", "probabilistic"])
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-id", action="append", type=int, default=[], help="extra stop token id (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and statistics")
+
+
+def request_from_args(args):
+    from dflash.engine.engine import GenerationRequest
+
+    return GenerationRequest(
+        prompt=args.prompt,
+        input_ids=args.input_ids,
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
+        block_size=args.block_size,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        verify=args.verify,
+        stop=args.stop,
+        stop_ids=args.stop_id,
+    )
+
+
+def load_engine(args):
+    import torch
+
+    from dflash.engine.engine import Engine
+    from dflash.models import resolve_models
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, drafter, is_random = resolve_models(args.target, args.drafter)
+    if is_random:
+        print(RANDOM_DRAFTER_WARNING, file=sys.stderr)
+    return Engine.load(target, drafter, device=args.device, dtype=args.dtype, random_drafter=is_random)
+
+
+def cmd_generate(args) -> int:
+    engine = load_engine(args)
+    result = engine.generate(request_from_args(args))
+    if args.json:
+        out = result.to_dict()
+        out.update(target=engine.target.name, drafter=engine.drafter_name, random_drafter=engine.random_drafter)
+        print(json.dumps(out))
+    else:
+        print(result.text)
+        s = result.stats
+        tps = f"{s.tokens_per_s:.1f}" if s.tokens_per_s else "-"
+        tau = f"{s.tau:.2f}" if s.tau else "-"
+        print(
+            f"[{s.new_tokens} tokens, {s.num_steps} steps, tau {tau}, {tps} tok/s, block {s.block_size}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_models(args) -> int:
+    from dflash.models import ensure_default_drafter, ensure_default_target
+
+    target = ensure_default_target()
+    drafter, is_random = ensure_default_drafter(target)
+    info = {"target": str(target), "drafter": str(drafter), "random_drafter": is_random}
+    print(json.dumps(info) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
+    if is_random:
+        print(RANDOM_DRAFTER_WARNING, file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description="DFlash block-diffusion speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate text with the speculative engine")
+    add_model_args(p)
+    add_generate_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("models", help="prepare the embedded default models in the cache")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DFlashError as exc:
+        print(f"dflash: error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

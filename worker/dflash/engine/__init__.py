@@ -1,0 +1,1 @@
+"""The DFlash engine: drafter, target adapter, verify rules and the speculative loop."""

@@ -1,0 +1,247 @@
+"""The DFlash draft model: a few Qwen3-style layers that draft a whole block in one pass.
+
+Clean-room from the published description (see shared/reference/dflash-spec.md):
+target features of the committed context are projected once (`fc`, `hidden_norm`)
+and injected as extra keys/values in every layer; the block `[anchor, MASK...]`
+attends bidirectionally to itself and to all committed context. The drafter has
+no embedding or LM head: it borrows the target's.
+
+The drafter's KV cache only ever holds committed context. Context K/V are
+appended when their features arrive; block K/V live for one forward. That is the
+reference's "write everything, then crop to start" without the crop.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dflash.engine.config import DrafterConfig
+from dflash.errors import DFlashError
+
+
+class RMSNorm(nn.Module):
+    """HF Qwen3 numerics: normalise in fp32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class DraftCache:
+    """Per-layer K/V of the committed context (post k_norm and RoPE)."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k, v
+        elif k.shape[-2]:
+            self.keys[layer] = torch.cat((self.keys[layer], k), dim=-2)
+            self.values[layer] = torch.cat((self.values[layer], v), dim=-2)
+        return self.keys[layer], self.values[layer]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer: int):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * hd, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.layer = layer
+        self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], n, self.head_dim).transpose(1, 2)
+
+    def forward(self, x, ctx, cos, sin, cache: DraftCache | None, positions: torch.Tensor):
+        """x: normed block [B, L, H]; ctx: projected new context [B, S, H];
+        cos/sin: rows for the S + L positions."""
+        L, S = x.shape[1], ctx.shape[1]
+        q = self.q_norm(self._heads(self.q_proj(x), self.n_heads))
+        kv_in = torch.cat((ctx, x), dim=1)
+        k = self.k_norm(self._heads(self.k_proj(kv_in), self.n_kv))
+        v = self._heads(self.v_proj(kv_in), self.n_kv)
+        q = q * cos[S:] + rotate_half(q) * sin[S:]
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            # Context K/V are committed and kept; block K/V are used for this pass only.
+            ctx_k, ctx_v = cache.append(self.layer, k[:, :, :S], v[:, :, :S])
+            k = torch.cat((ctx_k, k[:, :, S:]), dim=2)
+            v = torch.cat((ctx_v, v[:, :, S:]), dim=2)
+        mask = None
+        if self.window is not None:
+            # Sliding layers are causal with an absolute-position window (later z-lab drafters).
+            q_pos = positions[-L:][:, None]
+            k_pos = torch.arange(k.shape[2], device=k.device)[None, :] + (positions[-1] + 1 - k.shape[2])
+            mask = (k_pos <= q_pos) & (q_pos - k_pos < self.window)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=False, scale=self.head_dim**-0.5, enable_gqa=self.n_heads != self.n_kv
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, ctx, cos, sin, cache, positions):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, cache, positions)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(cfg.num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache(self.config.num_hidden_layers)
+
+    def forward(
+        self,
+        context_features: torch.Tensor,
+        block_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DraftCache | None = None,
+    ) -> torch.Tensor:
+        """context_features [B, S, n_feat*H] for the newly committed tokens;
+        block_embeds [B, L, H] (target embeddings of anchor + masks);
+        positions [S + L] absolute positions of those context rows then the block.
+        Returns the final-normed hidden states of the block [B, L, H]."""
+        ctx = self.hidden_norm(self.fc(context_features))
+        cos, sin = self.rotary(positions, block_embeds.dtype)
+        h = block_embeds
+        for layer in self.layers:
+            h = layer(h, ctx, cos, sin, cache, positions)
+        if cache is not None:
+            cache.length += context_features.shape[1]
+        return self.norm(h)
+
+
+# --- checkpoint I/O in the published layout ----------------------------------------
+
+
+def _state_key(name: str) -> str | None:
+    """Our parameter names equal the published tensor names; buffers are not stored."""
+    return None if name.startswith("rotary.") else name
+
+
+def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> DFlashDrafter:
+    path = Path(path)
+    if not path.is_dir():
+        raise DFlashError("bad_drafter", f"drafter directory not found: {path}")
+    cfg = DrafterConfig.from_file(path / "config.json")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DFlashError("bad_drafter", f"no .safetensors file in drafter directory {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise DFlashError("bad_drafter", f"drafter weights {f} are missing or corrupt: {exc}") from None
+    model = DFlashDrafter(cfg)
+    expected = {k: p for k, p in model.state_dict().items() if _state_key(k)}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise DFlashError(
+            "bad_drafter",
+            f"drafter weights do not fit its config: missing {missing[:5]}, unexpected {unexpected[:5]}",
+        )
+    for k, t in state.items():
+        if tuple(t.shape) != tuple(expected[k].shape):
+            raise DFlashError(
+                "bad_drafter", f"drafter tensor {k} has shape {tuple(t.shape)}, config implies {tuple(expected[k].shape)}"
+            )
+    model.load_state_dict(state, strict=False)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def save_drafter(model: DFlashDrafter, path: str | Path, extra_config: dict | None = None) -> None:
+    """Write config.json + bf16 model.safetensors (unprefixed names), as published."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_dict()
+    cfg.update(extra_config or {})
+    state = {
+        k: t.detach().to("cpu", torch.bfloat16).contiguous()
+        for k, t in model.state_dict().items()
+        if _state_key(k)
+    }
+    tmp = path / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def init_random_drafter(cfg: DrafterConfig, seed: int = 0, std: float = 0.02) -> DFlashDrafter:
+    gen = torch.Generator().manual_seed(seed)
+    model = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+    return model
