@@ -110,6 +110,19 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from pathlib import Path
+
+    from dflash.bench.run import markdown, run_bench, write_report
+
+    engine = load_engine(args)
+    report = run_bench(engine, args.suites.split(","), args.methods.split(","), args.limit, args.max_new_tokens)
+    write_report(report, Path(args.out))
+    print(markdown(report))
+    print(f"results: {Path(args.out) / 'results.json'}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="DFlash block-diffusion speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     add_generate_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="benchmark block size 1 (ar) against DFlash block sizes")
+    add_model_args(p)
+    p.add_argument("--suites", default="chat")
+    p.add_argument("--methods", default="ar,dflash-4,dflash-8,dflash-16")
+    p.add_argument("--limit", type=int, help="prompts per suite (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", default="bench-out")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("models", help="prepare the embedded default models in the cache")
     p.add_argument("--json", action="store_true")

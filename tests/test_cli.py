@@ -1,0 +1,67 @@
+"""The `dflash` CLI contract other parts rely on (run as a subprocess, like a user)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def dflash(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "dflash.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture(scope="module")
+def generated(smol_dir):
+    proc = dflash("generate", "--prompt", "Name a color.", "--chat", "--max-new-tokens", "6", "--json")
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_generate_json_contract(generated):
+    out = json.loads(generated.stdout)
+    for key in ("output_ids", "text", "steps", "tau", "new_tokens", "decode_s", "tokens_per_s", "acceptance_rate",
+                "accepted_per_position", "prefill_s", "num_steps"):
+        assert key in out, key
+    assert len(out["output_ids"]) == out["new_tokens"] <= 6
+    assert all(set(s) == {"draft_ids", "accepted"} and len(s["draft_ids"]) == 15 for s in out["steps"])
+    assert out["tau"] == pytest.approx(sum(s["accepted"] + 1 for s in out["steps"]) / len(out["steps"]))
+
+
+def test_random_default_drafter_is_announced(generated):
+    out = json.loads(generated.stdout)
+    if out["random_drafter"]:
+        assert "random-weight drafter" in generated.stderr
+
+
+def test_input_ids_and_block_size_one(smol_dir):
+    proc = dflash("generate", "--input-ids", "504,2365,6354", "--max-new-tokens", "4", "--block-size", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["block_size"] == 1 and all(s["draft_ids"] == [] for s in out["steps"])
+    assert out["prompt_ids"] == [504, 2365, 6354] and len(out["output_ids"]) == 4
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--prompt", "  "], "prompt is empty"),
+        (["--input-ids", "1,99999999"], "outside the vocabulary"),
+        (["--prompt", "x", "--block-size", "17"], "block size"),
+        (["--prompt", "x", "--temperature", "-1"], "temperature"),
+        (["--prompt", "x", "--max-new-tokens", "100000"], "context length"),
+        (["--prompt", "x", "--drafter", "/nonexistent"], "not found"),
+    ],
+)
+def test_bad_input_is_one_clean_line(smol_dir, args, words):
+    proc = dflash("generate", *args)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert words in proc.stderr and "dflash: error:" in proc.stderr

@@ -1,0 +1,1 @@
+"""Benchmarks: every method on the same prompts in one run, machine-readable results."""
