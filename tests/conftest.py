@@ -109,3 +109,26 @@ def tiny_engine():
     from dflash.engine.engine import Engine
 
     return Engine(make_tiny_target(), init_random_drafter(tiny_drafter_config(), seed=1, std=0.3), "tiny-drafter")
+
+
+@pytest.fixture(scope="session")
+def tiny_text_engine(smol_dir):
+    """A tiny random target with SmolLM2's real tokenizer, so text prompts work and steps
+    take milliseconds (worker tests)."""
+    from transformers import AutoTokenizer
+
+    from dflash.engine.drafter import init_random_drafter
+    from dflash.engine.engine import Engine
+
+    vocab = 49152
+    target = make_tiny_target(vocab=vocab, context=512)
+    target.tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    target.eos_ids = [2]
+    return Engine(target, init_random_drafter(tiny_drafter_config(vocab=vocab), seed=1, std=0.3), "tiny-drafter")
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    from dflash.embed import Embedder
+
+    return Embedder()

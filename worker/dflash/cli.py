@@ -29,8 +29,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
 
 
-def add_generate_args(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
+def add_generate_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--input-ids", type=_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
@@ -123,6 +123,71 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import logging
+    import signal
+    import threading
+
+    from dflash.serve.server import Worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine = load_engine(args)
+    embedder = None
+    if not args.no_embedder:
+        from dflash.embed import Embedder
+
+        embedder = Embedder(args.embedder, device=args.device)
+    worker = Worker(
+        engine,
+        embedder,
+        socket_path=args.socket,
+        max_queue=args.max_queue,
+        max_frame=args.max_frame,
+        socket_group=args.socket_group,
+        allow_uids=args.allow_uid,
+        allow_gids=args.allow_gid,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    worker.start()
+    stop.wait()
+    worker.shutdown()
+    return 0
+
+
+def cmd_client(args) -> int:
+    from dflash.serve.client import Client, WorkerError
+
+    op = args.op.replace("-", "_")
+    if op in ("generate", "generate_block"):
+        if args.prompt is None and args.input_ids is None:
+            raise DFlashError("bad_prompt", f"{args.op} needs --prompt or --input-ids")
+        req = request_from_args(args)
+        params = {k: v for k, v in vars(req).items() if v not in (None, [])}
+        if op == "generate_block":
+            params = {k: v for k, v in params.items() if k in ("prompt", "input_ids", "chat", "block_size")}
+    elif op == "embed":
+        if not args.text:
+            raise DFlashError("bad_params", "embed needs at least one --text")
+        params = {"texts": args.text}
+    elif op == "cancel":
+        params = {"request_id": args.request_id}
+    else:
+        params = {}
+    try:
+        with Client(args.socket) as client:
+            result = client.call(op, params, timeout_ms=args.timeout_ms)
+    except WorkerError as exc:
+        print(f"dflash: error: [{exc.code}] {exc.message}", file=sys.stderr)
+        return 3
+    if args.json or op not in ("generate",):
+        print(json.dumps(result))
+    else:
+        print(result["text"])
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="DFlash block-diffusion speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +205,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default="bench-out")
     p.set_defaults(func=cmd_bench)
+
+    from dflash.serve.protocol import DEFAULT_MAX_FRAME, DEFAULT_SOCKET
+
+    p = sub.add_parser("serve", help="run the worker: load the models once, serve requests on a Unix socket")
+    add_model_args(p)
+    p.add_argument("--socket", default=DEFAULT_SOCKET, help=f"socket path (default {DEFAULT_SOCKET})")
+    p.add_argument("--embedder", help="sentence-embedding model folder (default: all-MiniLM-L6-v2 from PyPI)")
+    p.add_argument("--no-embedder", action="store_true", help="serve without an embedding model")
+    p.add_argument("--max-queue", type=int, default=64, help="queued requests before answering 'busy'")
+    p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, help="largest accepted request, bytes")
+    p.add_argument("--socket-group", help="group owning the socket (mode 0660)")
+    p.add_argument("--allow-uid", type=int, action="append", help="only these peer uids (SO_PEERCRED; repeatable)")
+    p.add_argument("--allow-gid", type=int, action="append", help="only these peer gids (repeatable)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("client", help="send one request to a running worker and print the answer")
+    p.add_argument("op", choices=["generate", "generate-block", "embed", "status", "cancel"])
+    p.add_argument("--socket", default=DEFAULT_SOCKET)
+    p.add_argument("--timeout-ms", type=int, help="deadline for the request")
+    p.add_argument("--text", action="append", default=[], help="text to embed (repeatable)")
+    p.add_argument("--request-id", help="for cancel: the request to stop")
+    add_generate_args(p, required=False)
+    p.set_defaults(func=cmd_client)
 
     p = sub.add_parser("models", help="prepare the embedded default models in the cache")
     p.add_argument("--json", action="store_true")

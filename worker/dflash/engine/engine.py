@@ -175,15 +175,19 @@ class Engine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    def generate(self, req: GenerationRequest, on_step: Callable[[list[int]], None] | None = None) -> GenerationResult:
-        """`on_step(output_ids)` is called after every step; it may raise to stop (cancel, deadline)."""
+    def generate(
+        self, req: GenerationRequest, on_step: Callable[[list[int]], str | None] | None = None
+    ) -> GenerationResult:
+        """`on_step(output_ids)` runs after prefill and after every step; it may return a finish
+        reason to end the generation there, or raise to abandon it (cancel, deadline)."""
         params = req.sampling()
         prompt_ids = self.prompt_ids(req)
         block = self.validate(req, len(prompt_ids))
 
         def step_hook(out: list[int]) -> str | None:
-            if on_step is not None:
-                on_step(out)
+            reason = on_step(out) if on_step is not None else None
+            if reason:
+                return reason
             if req.stop and any(s in self.decode(out) for s in req.stop):
                 return "stop"
             return None

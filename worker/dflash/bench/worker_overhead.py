@@ -1,0 +1,73 @@
+"""Round-trip overhead of the worker socket: the same request in-process and over the socket.
+
+    python -m dflash.bench.worker_overhead [--n 100] [--out bench-out]
+
+Runs the worker in this process (its own threads, a temp socket), so both paths use
+the same loaded models; reports medians of n repetitions of an `embed` of one short
+text and of a 1-token `generate`, and writes worker_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dflash.embed import Embedder
+from dflash.engine.engine import Engine, GenerationRequest
+from dflash.models import resolve_models
+from dflash.serve.client import Client
+from dflash.serve.server import Worker
+
+
+def median_ms(fn, n: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=100)
+    ap.add_argument("--out", default="bench-out")
+    args = ap.parse_args(argv)
+    target, drafter, is_random = resolve_models(None, None)
+    engine = Engine.load(target, drafter, random_drafter=is_random)
+    embedder = Embedder()
+    gen = {"prompt": "Hi", "max_new_tokens": 1}
+    text = ["a short text"]
+    with tempfile.TemporaryDirectory() as tmp:
+        worker = Worker(engine, embedder, socket_path=f"{tmp}/w.sock")
+        worker.start()
+        try:
+            client = Client(f"{tmp}/w.sock").connect()
+            rows = {
+                "embed_in_process_ms": median_ms(lambda: embedder.embed(text), args.n),
+                "embed_socket_ms": median_ms(lambda: client.call("embed", {"texts": text}), args.n),
+                "generate1_in_process_ms": median_ms(lambda: engine.generate(GenerationRequest(**gen)), args.n),
+                "generate1_socket_ms": median_ms(lambda: client.call("generate", gen), args.n),
+            }
+            client.close()
+        finally:
+            worker.shutdown()
+    rows["embed_overhead_ms"] = rows["embed_socket_ms"] - rows["embed_in_process_ms"]
+    rows["generate1_overhead_ms"] = rows["generate1_socket_ms"] - rows["generate1_in_process_ms"]
+    report = {"n": args.n, "threads": torch.get_num_threads(), "torch": torch.__version__, **rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "worker_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,2 @@
+"""The worker service. `protocol` and `client` are stdlib-only (PL/Python imports them);
+`server` owns the models."""
