@@ -4,6 +4,7 @@ reference fixtures from ../shared, and a tiny random Llama for fast engine tests
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,69 @@ def embedder():
     from dflash.embed import Embedder
 
     return Embedder()
+
+
+# --- PostgreSQL ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    import subprocess
+
+    from tests.pgcluster import docker_engine_available, start_server
+
+    if not docker_engine_available():
+        share = Path(subprocess.check_output(["pg_config", "--sharedir"], text=True).strip()) / "extension"
+        missing = [f for f in ("dflash.control", "vector.control", "plpython3u.control") if not (share / f).exists()]
+        if missing:
+            msg = f"PostgreSQL pieces not installed ({', '.join(missing)}): run `make install-extension`"
+            if os.environ.get("CI"):
+                pytest.fail(msg)
+            pytest.skip(msg)
+    server = start_server(REPO)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_dsn(pg_server):
+    import psycopg
+
+    with psycopg.connect(pg_server.dsn(), autocommit=True) as conn:
+        conn.execute("DROP DATABASE IF EXISTS dflash_test")
+        conn.execute("CREATE DATABASE dflash_test")
+    dsn = pg_server.dsn("dflash_test")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION dflash CASCADE")
+    return dsn
+
+
+@pytest.fixture(scope="session")
+def sql_worker(pg_server, pg_dsn, tiny_text_engine, embedder):
+    """A worker on the tiny engine whose socket the server's backends can reach."""
+    import psycopg
+
+    from dflash.serve.server import Worker
+
+    path = pg_server.socket_dir / "worker.sock"
+    group = "postgres" if os.geteuid() == 0 else None
+    worker = Worker(tiny_text_engine, embedder, socket_path=str(path), socket_group=group, max_queue=16)
+    worker.start()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SELECT dflash.set_config('socket_path', %s)", (pg_server.server_path(path),))
+    yield worker
+    worker.shutdown(timeout=10)
+
+
+@pytest.fixture
+def slow_engine(tiny_text_engine, monkeypatch):
+    """Every target forward takes >= 5 ms, so generations last long enough to interrupt."""
+    target = tiny_text_engine.target
+    real = target.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(0.005)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", slow)
+    return tiny_text_engine

@@ -40,20 +40,6 @@ def worker(make_worker):
     return make_worker(max_queue=16)
 
 
-@pytest.fixture
-def slow_engine(tiny_text_engine, monkeypatch):
-    """Every target forward takes >= 5 ms, so generations last long enough to interrupt."""
-    target = tiny_text_engine.target
-    real = target.forward
-
-    def slow(*args, **kwargs):
-        time.sleep(0.005)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(target, "forward", slow)
-    return tiny_text_engine
-
-
 def call(w, op, params=None, **kw):
     with Client(str(w.socket_path)) as c:
         return c.call(op, params, **kw)

@@ -151,7 +151,15 @@ def cmd_serve(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     worker.start()
+    consumer = None
+    if args.database:
+        from dflash.serve.queue import QueueConsumer
+
+        consumer = QueueConsumer(worker, args.database, poll_s=args.poll_s, max_attempts=args.max_attempts)
+        consumer.start()
     stop.wait()
+    if consumer is not None:
+        consumer.shutdown()
     worker.shutdown()
     return 0
 
@@ -218,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket-group", help="group owning the socket (mode 0660)")
     p.add_argument("--allow-uid", type=int, action="append", help="only these peer uids (SO_PEERCRED; repeatable)")
     p.add_argument("--allow-gid", type=int, action="append", help="only these peer gids (repeatable)")
+    p.add_argument("--database", help="libpq DSN (as role dflash_worker): consume dflash.queue for triggers")
+    p.add_argument("--poll-s", type=float, default=1.0, help="queue poll interval besides LISTEN/NOTIFY")
+    p.add_argument("--max-attempts", type=int, default=5, help="tries per queue item before dflash.queue_failed")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("client", help="send one request to a running worker and print the answer")

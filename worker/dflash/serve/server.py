@@ -292,6 +292,18 @@ class Worker:
                 return None
         return job.reply
 
+    def submit(self, op: str, params: dict, timeout_s: float | None = None) -> dict:
+        """Run one operation on the engine thread from inside the worker (the queue consumer);
+        waits for a queue slot rather than answering busy. Raises DFlashError on failure."""
+        job = Job(f"internal-{time.monotonic_ns()}", op, params, time.monotonic() + timeout_s if timeout_s else None)
+        with self.lock:
+            self.jobs[job.id] = job
+        self.queue.put(job)
+        job.done.wait()
+        if not job.reply["ok"]:
+            raise DFlashError(job.reply["error"]["code"], job.reply["error"]["message"])
+        return job.reply["result"]
+
     # --- the engine thread --------------------------------------------------------------
 
     def _engine_loop(self) -> None:
@@ -336,9 +348,13 @@ class Worker:
     def _generate_block(self, job: Job, queue_ms: float) -> dict:
         """One draft-and-verify step: what the drafter proposed and what the target kept."""
         params = dict(job.params)
-        block = params.get("block_size") or self.engine.block_size
-        if not isinstance(block, int) or isinstance(block, bool):
-            raise DFlashError("bad_params", "parameter 'block_size' must be int")
+        block = params.get("block_size")
+        if block is None:
+            block = self.engine.block_size
+        if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= self.engine.block_size:
+            raise DFlashError(
+                "bad_block_size", f"block size must be an integer from 1 to the drafter's {self.engine.block_size}"
+            )
         params.update(block_size=block, max_new_tokens=block + 1)
         params.setdefault("chat", True)
         calls = []

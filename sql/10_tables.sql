@@ -1,0 +1,95 @@
+-- What happened: one row per generation, a vector memory, the trigger queue.
+
+CREATE TABLE dflash.generations (
+    id              bigserial PRIMARY KEY,
+    mode            text NOT NULL CHECK (mode IN ('sync', 'trigger', 'trigger-sync')),
+    status          text NOT NULL CHECK (status IN ('ok', 'error')),
+    error           text,
+    prompt          text NOT NULL,
+    output          text,
+    target          text,
+    drafter         text,
+    params          jsonb NOT NULL DEFAULT '{}',
+    block_size      int,
+    steps           int,
+    new_tokens      int,
+    tau             float8,
+    acceptance_rate float8,
+    accepted_per_position int[],
+    prefill_ms      float8,
+    decode_ms       float8,
+    queue_ms        float8,
+    total_ms        float8,
+    tokens_per_s    float8,
+    calling_role    name NOT NULL DEFAULT current_user,
+    source_table    regclass,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    finished_at     timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX generations_created_at ON dflash.generations (created_at);
+
+CREATE TABLE dflash.memory (
+    id            bigserial PRIMARY KEY,
+    generation_id bigint REFERENCES dflash.generations (id) ON DELETE CASCADE,
+    prompt        text NOT NULL,
+    output        text NOT NULL,
+    embedding     vector(384) NOT NULL,
+    embedder      text,
+    created_at    timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX memory_embedding_hnsw ON dflash.memory USING hnsw (embedding vector_cosine_ops);
+
+-- Tables with generate-on-insert enabled.
+CREATE TABLE dflash.generation_targets (
+    tbl           regclass PRIMARY KEY,
+    prompt_column name NOT NULL,
+    output_column name NOT NULL,
+    key_column    name NOT NULL,
+    mode          text NOT NULL CHECK (mode IN ('async', 'sync')),
+    options       jsonb NOT NULL DEFAULT '{}',
+    created_at    timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE dflash.queue (
+    id              bigserial PRIMARY KEY,
+    tbl             regclass NOT NULL,
+    key_value       text NOT NULL,
+    prompt          text,
+    options         jsonb NOT NULL DEFAULT '{}',
+    calling_role    name NOT NULL DEFAULT current_user,
+    attempts        int NOT NULL DEFAULT 0,
+    next_attempt_at timestamptz NOT NULL DEFAULT now(),
+    last_error      text,
+    created_at      timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX queue_next_attempt ON dflash.queue (next_attempt_at, id);
+
+CREATE TABLE dflash.queue_failed (
+    id           bigint PRIMARY KEY,
+    tbl          regclass NOT NULL,
+    key_value    text NOT NULL,
+    prompt       text,
+    options      jsonb NOT NULL,
+    calling_role name NOT NULL,
+    attempts     int NOT NULL,
+    error        text,
+    created_at   timestamptz NOT NULL,
+    failed_at    timestamptz NOT NULL DEFAULT now()
+);
+
+-- Acceptance and latency by model, block size and day.
+CREATE VIEW dflash.acceptance_daily AS
+SELECT date_trunc('day', created_at)::date AS day,
+       target,
+       drafter,
+       block_size,
+       count(*)                                   AS generations,
+       sum(new_tokens)                            AS new_tokens,
+       avg(tau)                                   AS mean_tau,
+       avg(acceptance_rate)                       AS mean_acceptance_rate,
+       percentile_cont(0.5)  WITHIN GROUP (ORDER BY total_ms) AS p50_ms,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY total_ms) AS p95_ms,
+       sum(new_tokens) / nullif(sum(decode_ms) / 1000.0, 0)   AS tokens_per_s
+FROM dflash.generations
+WHERE status = 'ok'
+GROUP BY 1, 2, 3, 4;

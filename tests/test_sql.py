@@ -1,0 +1,278 @@
+"""The extension against a real PostgreSQL: functions, tables, recall, errors, cancellation,
+privileges. The worker here runs the tiny engine (with SmolLM2's tokenizer) in-process."""
+
+import threading
+import time
+
+import psycopg
+import pytest
+from psycopg import errors
+
+from dflash.engine.engine import GenerationRequest
+
+
+@pytest.fixture
+def db(pg_dsn, sql_worker):
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        yield conn
+
+
+def count(db, table):
+    return db.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+
+def test_generate_matches_the_engine_and_is_recorded(db, tiny_text_engine):
+    before = count(db, "dflash.generations")
+    text = db.execute("SELECT dflash_generate('Write a haiku about databases', max_new_tokens => 16)").fetchone()[0]
+    local = tiny_text_engine.generate(
+        GenerationRequest(prompt="Write a haiku about databases", chat=True, max_new_tokens=16)
+    )
+    assert text == local.text
+    row = db.execute(
+        "SELECT mode, status, prompt, output, target, drafter, block_size, new_tokens, tau, steps,"
+        " accepted_per_position, calling_role, params->>'max_new_tokens' FROM dflash.generations ORDER BY id DESC LIMIT 1"
+    ).fetchone()
+    assert count(db, "dflash.generations") == before + 1
+    assert row[:6] == ("sync", "ok", "Write a haiku about databases", text, "tiny", "tiny-drafter")
+    assert row[6] == 8 and row[7] == len(local.output_ids) and row[8] == pytest.approx(local.stats.tau)
+    assert row[9] == local.stats.num_steps and len(row[10]) == 7 and row[12] == "16"
+    mem = db.execute("SELECT output, vector_dims(embedding) FROM dflash.memory ORDER BY id DESC LIMIT 1").fetchone()
+    assert mem == (text, 384)
+
+
+def test_generate_stats_block_and_batch(db):
+    stats = db.execute("SELECT dflash_generate_stats('Hello there', max_new_tokens => 8, block_size => 4)").fetchone()[0]
+    for key in ("text", "output_ids", "steps", "tau", "acceptance_rate", "generation_id", "decode_s"):
+        assert key in stats
+    assert stats["block_size"] == 4 and all(len(s["draft_ids"]) == 3 for s in stats["steps"])
+    row = db.execute("SELECT * FROM dflash_generate_block('Write a haiku about databases', 8)").fetchone()
+    draft_ids, draft_text, accepted, accepted_text, next_id, next_text, first_text = row
+    assert len(draft_ids) == 7 and 0 <= accepted <= 7 and isinstance(next_id, int)
+    outs = db.execute("SELECT dflash_generate(ARRAY['one', 'two', 'three'], max_new_tokens => 4)").fetchone()[0]
+    singles = [db.execute("SELECT dflash_generate(%s, max_new_tokens => 4)", (p,)).fetchone()[0]
+               for p in ("one", "two", "three")]
+    assert outs == singles
+
+
+def test_embed_and_recall_find_the_right_neighbour(db):
+    v = db.execute("SELECT dflash_embed('a cat on a mat')::text").fetchone()[0]
+    assert v.startswith("[") and v.count(",") == 383
+    vs = db.execute("SELECT array_length(dflash_embed(ARRAY['a', 'b']), 1)").fetchone()[0]
+    assert vs == 2
+    topics = {
+        "Explain how volcanoes erupt": None,
+        "Give me a recipe for pancakes": None,
+        "How do I sort a list in Python?": None,
+    }
+    for p in topics:
+        topics[p] = db.execute("SELECT (dflash_generate_stats(%s, max_new_tokens => 6))->>'generation_id'",
+                               (p,)).fetchone()[0]
+    hits = db.execute("SELECT generation_id, prompt, distance FROM dflash_recall('pancake breakfast recipe', 3)").fetchall()
+    assert hits[0][1] == "Give me a recipe for pancakes" and str(hits[0][0]) == topics[hits[0][1]]
+    assert hits[0][2] <= hits[-1][2]
+
+
+def test_worker_status(db):
+    s = db.execute("SELECT dflash_worker_status()").fetchone()[0]
+    assert s["protocol"] == 1 and s["target"] == "tiny" and s["ready"]
+
+
+def test_acceptance_view(db):
+    db.execute("SELECT dflash_generate('count', max_new_tokens => 4)")
+    row = db.execute("SELECT generations, mean_tau, p50_ms, p95_ms, tokens_per_s FROM dflash.acceptance_daily"
+                     " WHERE target = 'tiny' AND block_size = 8").fetchone()
+    assert row[0] >= 1 and row[1] >= 1 and row[2] > 0 and row[3] >= row[2]
+
+
+# --- bad input: a clean SQL error, nothing written ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "query, exc",
+    [
+        ("SELECT dflash_generate(NULL::text)", errors.NullValueNotAllowed),
+        ("SELECT dflash_generate('hi', max_new_tokens => NULL)", errors.NullValueNotAllowed),
+        ("SELECT dflash_generate('')", errors.InvalidParameterValue),
+        ("SELECT dflash_generate('   ')", errors.InvalidParameterValue),
+        ("SELECT dflash_generate('hi', block_size => 0)", errors.InvalidParameterValue),
+        ("SELECT dflash_generate('hi', block_size => 1000)", errors.InvalidParameterValue),
+        ("SELECT dflash_generate('hi', max_new_tokens => -5)", errors.InvalidParameterValue),
+        ("SELECT dflash_generate('hi', temperature => -1)", errors.InvalidParameterValue),
+        ("SELECT dflash_generate('hi', top_p => 0)", errors.InvalidParameterValue),
+        ("SELECT dflash_generate(repeat('word ', 20000))", errors.ProgramLimitExceeded),
+        ("SELECT * FROM dflash_generate_block('hi', 0)", errors.InvalidParameterValue),
+        ("SELECT * FROM dflash_generate_block('hi', 1000)", errors.InvalidParameterValue),
+        ("SELECT * FROM dflash_generate_block(NULL, 4)", errors.NullValueNotAllowed),
+        ("SELECT dflash_embed('')", errors.InvalidParameterValue),
+        ("SELECT dflash_embed(NULL::text)", errors.NullValueNotAllowed),
+        ("SELECT dflash_embed(ARRAY['ok', NULL])", errors.NullValueNotAllowed),
+        ("SELECT * FROM dflash_recall('x', 0)", errors.InvalidParameterValue),
+        ("SELECT dflash.set_config('nope', 'x')", errors.InvalidParameterValue),
+    ],
+)
+def test_bad_input_is_a_clean_error_and_writes_nothing(db, query, exc):
+    before = (count(db, "dflash.generations"), count(db, "dflash.memory"))
+    with pytest.raises(exc):
+        db.execute(query)
+    assert (count(db, "dflash.generations"), count(db, "dflash.memory")) == before
+    assert db.execute("SELECT 1").fetchone() == (1,)  # the backend is alive
+
+
+def test_unusual_text_round_trips(db):
+    prompt = "tab\there, newline\nquote' backslash\\ emoji 😀 bidi \u202e nul-free \u2028 done"
+    out = db.execute("SELECT dflash_generate_stats(%s, max_new_tokens => 4)", (prompt,)).fetchone()[0]
+    stored = db.execute("SELECT prompt FROM dflash.generations WHERE id = %s", (out["generation_id"],)).fetchone()[0]
+    assert stored == prompt
+
+
+# --- cancellation and a missing worker ---------------------------------------------------------
+
+
+LONG = "SELECT dflash_generate('Tell a very long story', max_new_tokens => 400, block_size => 1)"
+
+
+@pytest.fixture
+def slow_worker(sql_worker, slow_engine):
+    return sql_worker
+
+
+def test_statement_timeout_stops_the_call_and_the_worker(pg_dsn, slow_worker):
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SET statement_timeout = '300ms'")
+        t = time.monotonic()
+        with pytest.raises(errors.QueryCanceled):
+            conn.execute(LONG)
+        elapsed = time.monotonic() - t
+    assert elapsed < 0.3 + 0.25, elapsed
+    assert _wait(lambda: slow_worker.in_flight == 0)
+
+
+def test_pg_cancel_backend_stops_the_call(pg_dsn, slow_worker):
+    with psycopg.connect(pg_dsn, autocommit=True) as conn, psycopg.connect(pg_dsn, autocommit=True) as ctl:
+        pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+        outcome = {}
+
+        def run():
+            try:
+                conn.execute(LONG)
+            except psycopg.Error as exc:
+                outcome["exc"] = exc
+                outcome["t"] = time.monotonic()
+
+        th = threading.Thread(target=run)
+        th.start()
+        assert _wait(lambda: slow_worker.in_flight == 1)
+        t = time.monotonic()
+        ctl.execute("SELECT pg_cancel_backend(%s)", (pid,))
+        th.join(timeout=10)
+        assert isinstance(outcome.get("exc"), errors.QueryCanceled)
+        assert outcome["t"] - t < 0.25
+    assert _wait(lambda: slow_worker.in_flight == 0)
+
+
+def test_worker_down_is_a_clean_error_with_a_hint(pg_dsn, sql_worker, pg_server):
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SELECT dflash.set_config('socket_path', %s)", (pg_server.server_path(pg_server.socket_dir) + "/none.sock",))
+        try:
+            with pytest.raises(psycopg.Error) as err:
+                conn.execute("SELECT dflash_generate('hi')")
+            assert err.value.sqlstate == "DF001"
+            assert "dflash serve" in err.value.diag.message_hint
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+        finally:
+            conn.execute("SELECT dflash.set_config('socket_path', %s)",
+                         (pg_server.server_path(sql_worker.socket_path),))
+
+
+def test_worker_dying_mid_call(pg_dsn, sql_worker, pg_server):
+    """A worker that reads the request and then vanishes: a clean DF001 error."""
+    import os
+    import socket
+
+    path = pg_server.socket_dir / "dying.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    os.chmod(path, 0o666)
+    srv.listen(1)
+
+    def die():
+        conn, _ = srv.accept()
+        conn.recv(65536)
+        time.sleep(0.2)
+        conn.close()
+
+    th = threading.Thread(target=die)
+    th.start()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SELECT dflash.set_config('socket_path', %s)", (pg_server.server_path(path),))
+        try:
+            with pytest.raises(psycopg.Error) as err:
+                conn.execute("SELECT dflash_generate('hi')")
+            assert err.value.sqlstate == "DF001"
+        finally:
+            conn.execute("SELECT dflash.set_config('socket_path', %s)",
+                         (pg_server.server_path(sql_worker.socket_path),))
+    th.join()
+    srv.close()
+
+
+def _wait(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+# --- privileges ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def roles(pg_dsn):
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for r in ("dflash_alice", "dflash_bob"):
+            conn.execute(f"DROP ROLE IF EXISTS {r}")
+            conn.execute(f"CREATE ROLE {r} LOGIN")
+        conn.execute("GRANT dflash_user TO dflash_bob")
+    return pg_dsn
+
+
+USER_CALLS = [
+    "SELECT dflash_generate('hi', max_new_tokens => 2)",
+    "SELECT dflash_generate_stats('hi', max_new_tokens => 2)",
+    "SELECT dflash_generate(ARRAY['hi'], max_new_tokens => 2)",
+    "SELECT * FROM dflash_generate_block('hi', 4)",
+    "SELECT dflash_embed('hi')",
+    "SELECT dflash_embed(ARRAY['hi'])",
+    "SELECT * FROM dflash_recall('hi', 1)",
+    "SELECT dflash_worker_status()",
+    "SELECT count(*) FROM dflash.generations",
+]
+
+
+@pytest.mark.parametrize("query", USER_CALLS)
+def test_privileges_public_denied_user_allowed(roles, sql_worker, query):
+    with psycopg.connect(roles + " user=dflash_alice", autocommit=True) as alice:
+        with pytest.raises(errors.InsufficientPrivilege):
+            alice.execute(query)
+    with psycopg.connect(roles + " user=dflash_bob", autocommit=True) as bob:
+        bob.execute(query)
+
+
+@pytest.mark.parametrize("query", [
+    "SELECT dflash.set_config('socket_path', '/tmp/evil.sock')",
+    "UPDATE dflash.config SET value = '/tmp/evil.sock' WHERE key = 'socket_path'",
+    "DELETE FROM dflash.queue",
+    "SET dflash.socket_path = '/tmp/evil.sock'; SELECT dflash_worker_status()",
+])
+def test_users_cannot_move_the_socket(roles, sql_worker, query):
+    with psycopg.connect(roles + " user=dflash_bob", autocommit=True) as bob:
+        try:
+            bob.execute(query)
+        except errors.InsufficientPrivilege:
+            pass
+        # whatever happened, the worker is still the configured one
+        assert bob.execute("SELECT value FROM dflash.config WHERE key = 'socket_path'").fetchone()[0].endswith(
+            "worker.sock")
+        assert bob.execute("SELECT dflash_worker_status()->>'target'").fetchone()[0] == "tiny"
