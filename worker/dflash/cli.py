@@ -196,6 +196,12 @@ def cmd_client(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from dflash.demo import run_demo
+
+    return run_demo(args.prompt, args.max_new_tokens)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="DFlash block-diffusion speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -223,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-embedder", action="store_true", help="serve without an embedding model")
     p.add_argument("--max-queue", type=int, default=64, help="queued requests before answering 'busy'")
     p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, help="largest accepted request, bytes")
-    p.add_argument("--socket-group", help="group owning the socket (mode 0660)")
+    p.add_argument("--socket-group", help="group (name or gid) owning the socket (mode 0660)")
     p.add_argument("--allow-uid", type=int, action="append", help="only these peer uids (SO_PEERCRED; repeatable)")
     p.add_argument("--allow-gid", type=int, action="append", help="only these peer gids (repeatable)")
     p.add_argument("--database", help="libpq DSN (as role dflash_worker): consume dflash.queue for triggers")
@@ -239,6 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-id", help="for cancel: the request to stop")
     add_generate_args(p, required=False)
     p.set_defaults(func=cmd_client)
+
+    p = sub.add_parser("demo", help="end to end on a throwaway PostgreSQL: worker, extension, dflash_generate")
+    p.add_argument("--prompt", default="Write a haiku about databases")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("models", help="prepare the embedded default models in the cache")
     p.add_argument("--json", action="store_true")

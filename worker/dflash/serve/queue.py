@@ -25,7 +25,7 @@ log = logging.getLogger("dflash.queue")
 
 TAKE = """
 SELECT q.id, q.tbl::text, q.key_value, q.prompt, q.options, q.calling_role, q.attempts,
-       extract(epoch FROM now() - q.created_at) * 1000 AS waited_ms,
+       (extract(epoch FROM now() - q.created_at) * 1000)::float8 AS waited_ms,
        t.output_column, t.key_column
 FROM dflash.queue q LEFT JOIN dflash.generation_targets t ON t.tbl = q.tbl
 WHERE q.next_attempt_at <= now()
@@ -83,6 +83,9 @@ class QueueConsumer:
             except psycopg.Error as exc:
                 log.warning("queue consumer lost the database (%s); reconnecting", exc)
                 self.stop.wait(2.0)
+            except Exception:
+                log.exception("queue consumer error; restarting it")
+                self.stop.wait(2.0)
 
     def process_one(self, conn: psycopg.Connection) -> bool:
         """Take and finish one item; False when nothing is due."""
@@ -96,8 +99,13 @@ class QueueConsumer:
                     self._fill(conn, tbl, key, prompt, options or {}, role, waited_ms, out_col, key_col)
                     conn.execute("DELETE FROM dflash.queue WHERE id = %s", (qid,))
                 self.done += 1
+            except psycopg.OperationalError:
+                raise  # the connection is gone: reconnect; the item's lock went with it
             except (DFlashError, psycopg.Error) as exc:
                 self._retry_or_give_up(conn, qid, attempts + 1, str(getattr(exc, "message", exc)))
+            except Exception as exc:  # a bug: keep the item, say what happened, keep serving
+                log.exception("queue item %s failed unexpectedly", qid)
+                self._retry_or_give_up(conn, qid, attempts + 1, f"{type(exc).__name__}: {exc}")
         return True
 
     def _fill(self, conn, tbl, key, prompt, options, role, waited_ms, out_col, key_col) -> None:

@@ -191,7 +191,8 @@ class Worker:
             os.umask(old)
         os.chmod(path, 0o660)
         if self.socket_group:
-            os.chown(path, -1, grp.getgrnam(self.socket_group).gr_gid)
+            group = str(self.socket_group)
+            os.chown(path, -1, int(group) if group.isdigit() else grp.getgrnam(group).gr_gid)
         sock.listen(128)
         sock.settimeout(0.2)
         return sock

@@ -1,4 +1,4 @@
-"""A real PostgreSQL for the integration tests, through one fixture (`pg` in conftest).
+"""A real PostgreSQL for integration tests and SQL benchmarks (`pg` fixture in tests/conftest.py).
 
 Where a Docker engine answers, testcontainers runs the image from docker/postgres.Dockerfile
 (pgvector + plpython3 + the extension). Otherwise (here: no Docker engine) a throwaway
