@@ -39,8 +39,11 @@ test: setup
 test-all: setup
 	$(BIN)/python -m pytest -q
 
+# Quick benchmarks (about 10 minutes here); see README for the full runs.
 bench: setup
 	$(BIN)/dflash bench --limit 6 --max-new-tokens 64 --out bench-out
+	$(BIN)/python -m dflash.bench.worker_overhead --out bench-out
+	$(BIN)/python -m dflash.bench.sql_bench --n 30 --rows 20 --tokens 32 --out bench-out
 
 clean:
 	rm -rf $(VENV) bench-out .pytest_cache

@@ -1,0 +1,113 @@
+"""The SQL path, measured: `SELECT dflash_generate(...)` against a direct client call, and
+the trigger queue's throughput.
+
+    python -m dflash.bench.sql_bench [--n 50] [--rows 50] [--tokens 32] [--block-size N] [--out bench-out]
+
+Everything runs in one process on a throwaway cluster (dflash.localpg): the worker (its
+own threads, the embedded default models), its queue consumer, and the SQL client.
+Writes sql_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import psycopg
+import torch
+
+from dflash.embed import Embedder
+from dflash.engine.engine import Engine
+from dflash.localpg import start_local_cluster
+from dflash.models import resolve_models
+from dflash.serve.client import Client
+from dflash.serve.queue import QueueConsumer
+from dflash.serve.server import Worker
+
+
+def median_ms(fn, n: int) -> float:
+    fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=50, help="repetitions for the latency medians")
+    ap.add_argument("--rows", type=int, default=50, help="rows inserted for the queue throughput")
+    ap.add_argument("--tokens", type=int, default=32, help="new tokens per queued row")
+    ap.add_argument("--block-size", type=int, help="block size for the queued rows (default: the drafter's)")
+    ap.add_argument("--out", default="bench-out")
+    args = ap.parse_args(argv)
+
+    target, drafter, is_random = resolve_models(None, None)
+    engine = Engine.load(target, drafter, random_drafter=is_random)
+    server = start_local_cluster()
+    sock = server.socket_dir / "worker.sock"
+    worker = Worker(engine, Embedder(), socket_path=str(sock),
+                    socket_group=server.os_user if os.geteuid() == 0 else None)
+    worker.start()
+    report = {"threads": torch.get_num_threads(), "torch": torch.__version__, "target": engine.target.name,
+              "drafter": engine.drafter_name, "random_drafter": is_random}
+    try:
+        with psycopg.connect(server.dsn(), autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION dflash CASCADE")
+            conn.execute("SELECT dflash.set_config('socket_path', %s)", (str(sock),))
+            conn.execute("SELECT dflash.set_config('remember', 'off')")  # measure the call, not the memory
+            client = Client(str(sock)).connect()
+            params = {"prompt": "Hi", "max_new_tokens": 1, "chat": True}
+            report["generate1_client_ms"] = median_ms(lambda: client.call("generate", params), args.n)
+            report["generate1_sql_ms"] = median_ms(
+                lambda: conn.execute("SELECT dflash_generate('Hi', max_new_tokens => 1)").fetchone(), args.n
+            )
+            report["generate1_sql_overhead_ms"] = report["generate1_sql_ms"] - report["generate1_client_ms"]
+            client.close()
+            conn.execute("SELECT dflash.set_config('remember', 'on')")
+            # With the memory row too (one more embed round trip and an HNSW insert).
+            report["generate1_sql_remember_ms"] = median_ms(
+                lambda: conn.execute("SELECT dflash_generate('Hi', max_new_tokens => 1)").fetchone(), args.n
+            )
+
+            conn.execute("ALTER ROLE dflash_worker LOGIN")
+            conn.execute("CREATE TABLE bench_rows (id serial PRIMARY KEY, prompt text, answer text)")
+            opts = {"max_new_tokens": args.tokens}
+            if args.block_size:
+                opts["block_size"] = args.block_size
+            conn.execute("SELECT dflash.enable_generation('bench_rows', 'prompt', 'answer', %s)", (json.dumps(opts),))
+            with conn.transaction():
+                for i in range(args.rows):
+                    conn.execute("INSERT INTO bench_rows (prompt) VALUES (%s)",
+                                 (f"Write one sentence about the number {i}.",))
+            consumer = QueueConsumer(worker, server.dsn(user="dflash_worker"), poll_s=0.2)
+            t = time.perf_counter()
+            consumer.start()
+            while conn.execute("SELECT count(*) FROM bench_rows WHERE answer IS NULL").fetchone()[0]:
+                time.sleep(0.2)
+            elapsed = time.perf_counter() - t
+            consumer.shutdown()
+            tokens = conn.execute(
+                "SELECT sum(new_tokens) FROM dflash.generations WHERE source_table = 'bench_rows'::regclass"
+            ).fetchone()[0]
+            report.update(queue_rows=args.rows, queue_tokens_per_row=args.tokens, queue_block_size=args.block_size,
+                          queue_seconds=elapsed, queue_rows_per_minute=args.rows / elapsed * 60,
+                          queue_new_tokens=tokens)
+    finally:
+        worker.shutdown()
+        server.stop()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sql_bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
