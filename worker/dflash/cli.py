@@ -202,6 +202,32 @@ def cmd_demo(args) -> int:
     return run_demo(args.prompt, args.max_new_tokens)
 
 
+def cmd_train(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from dflash.models import ensure_default_target
+    from dflash.train.pipeline import run
+    from dflash.train.trainer import TrainConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = TrainConfig(
+        epochs=args.epochs, lr=args.lr, num_anchors=args.num_anchors, seqs_per_step=args.seqs_per_step,
+        time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None,
+        checkpoint_minutes=args.checkpoint_minutes, reduced_vocab=not args.full_vocab_loss, seed=args.seed,
+    )
+    drafter = run(
+        Path(args.target) if args.target else ensure_default_target(), Path(args.out), prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch, layers=args.layers,
+        block_size=args.block_size, layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
+        init=args.init, cfg=cfg, device=args.device,
+    )
+    print(f"drafter written to {drafter}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="DFlash block-diffusion speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -250,6 +276,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="Write a haiku about databases")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("train", help="train a DFlash drafter for a target (resumable, in stages)")
+    p.add_argument("--target", help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="run directory: data, feature cache, checkpoints, drafter")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--prompts", type=int, help="how many offline prompts to use (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="response length when regenerating")
+    p.add_argument("--gen-batch", type=int, default=8, help="prompts per batched regeneration")
+    p.add_argument("--layers", type=int, default=2, help="draft layers")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--target-layer-ids", type=_ids, help="comma-separated target layer ids (default: spread)")
+    p.add_argument("--mask-token-id", type=int, default=16)
+    p.add_argument("--init", choices=["random", "target"], default="random")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--num-anchors", type=int, default=32, help="blocks per sequence per step")
+    p.add_argument("--seqs-per-step", type=int, default=4)
+    p.add_argument("--time-budget-min", type=float, help="stop training after this many minutes (resumable)")
+    p.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    p.add_argument("--full-vocab-loss", action="store_true", help="softmax over the whole vocabulary")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("models", help="prepare the embedded default models in the cache")
     p.add_argument("--json", action="store_true")

@@ -93,9 +93,9 @@ class Attention(nn.Module):
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], n, self.head_dim).transpose(1, 2)
 
-    def forward(self, x, ctx, cos, sin, cache: DraftCache | None, positions: torch.Tensor):
+    def forward(self, x, ctx, cos, sin, cache: DraftCache | None, positions: torch.Tensor, attn_mask=None):
         """x: normed block [B, L, H]; ctx: projected new context [B, S, H];
-        cos/sin: rows for the S + L positions."""
+        cos/sin: rows for the S + L positions; attn_mask (training only): [L, S + L] bool."""
         L, S = x.shape[1], ctx.shape[1]
         q = self.q_norm(self._heads(self.q_proj(x), self.n_heads))
         kv_in = torch.cat((ctx, x), dim=1)
@@ -108,8 +108,10 @@ class Attention(nn.Module):
             ctx_k, ctx_v = cache.append(self.layer, k[:, :, :S], v[:, :, :S])
             k = torch.cat((ctx_k, k[:, :, S:]), dim=2)
             v = torch.cat((ctx_v, v[:, :, S:]), dim=2)
-        mask = None
+        mask = attn_mask
         if self.window is not None:
+            if attn_mask is not None:
+                raise DFlashError("bad_drafter", "training sliding-window drafters is not supported")
             # Sliding layers are causal with an absolute-position window (later z-lab drafters).
             q_pos = positions[-L:][:, None]
             k_pos = torch.arange(k.shape[2], device=k.device)[None, :] + (positions[-1] + 1 - k.shape[2])
@@ -139,8 +141,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, ctx, cos, sin, cache, positions):
-        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, cache, positions)
+    def forward(self, h, ctx, cos, sin, cache, positions, attn_mask=None):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, cache, positions, attn_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -163,16 +165,18 @@ class DFlashDrafter(nn.Module):
         block_embeds: torch.Tensor,
         positions: torch.Tensor,
         cache: DraftCache | None = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """context_features [B, S, n_feat*H] for the newly committed tokens;
         block_embeds [B, L, H] (target embeddings of anchor + masks);
         positions [S + L] absolute positions of those context rows then the block.
+        Training packs many blocks into L and passes `attn_mask` [L, S + L] (True = visible).
         Returns the final-normed hidden states of the block [B, L, H]."""
         ctx = self.hidden_norm(self.fc(context_features))
         cos, sin = self.rotary(positions, block_embeds.dtype)
         h = block_embeds
         for layer in self.layers:
-            h = layer(h, ctx, cos, sin, cache, positions)
+            h = layer(h, ctx, cos, sin, cache, positions, attn_mask)
         if cache is not None:
             cache.length += context_features.shape[1]
         return self.norm(h)

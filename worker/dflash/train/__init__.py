@@ -1,0 +1,1 @@
+"""Training DFlash drafters: data regeneration, feature cache, objective, trainer."""
