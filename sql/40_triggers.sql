@@ -34,6 +34,7 @@ DECLARE
     mode text := coalesce(options ->> 'mode', 'async');
     gen_options jsonb := options - 'mode';
     key_col name;
+    col name;
     bad text;
 BEGIN
     IF tbl IS NULL OR prompt_column IS NULL OR output_column IS NULL OR options IS NULL THEN
@@ -49,20 +50,14 @@ BEGIN
         RAISE EXCEPTION 'dflash.enable_generation: unknown options: %', bad USING ERRCODE = '22023',
             HINT = 'options: mode, max_new_tokens, temperature, block_size, top_p, top_k, seed, chat';
     END IF;
-    PERFORM 1 FROM pg_attribute
-    WHERE attrelid = tbl AND attname = prompt_column AND attnum > 0 AND NOT attisdropped
-      AND atttypid IN ('text'::regtype, 'varchar'::regtype);
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'dflash.enable_generation: % has no text column "%"', tbl, prompt_column
-            USING ERRCODE = '42703';
-    END IF;
-    PERFORM 1 FROM pg_attribute
-    WHERE attrelid = tbl AND attname = output_column AND attnum > 0 AND NOT attisdropped
-      AND atttypid IN ('text'::regtype, 'varchar'::regtype);
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'dflash.enable_generation: % has no text column "%"', tbl, output_column
-            USING ERRCODE = '42703';
-    END IF;
+    FOREACH col IN ARRAY ARRAY[prompt_column, output_column] LOOP
+        PERFORM 1 FROM pg_attribute
+        WHERE attrelid = tbl AND attname = col AND attnum > 0 AND NOT attisdropped
+          AND atttypid IN ('text'::regtype, 'varchar'::regtype);
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'dflash.enable_generation: % has no text column "%"', tbl, col USING ERRCODE = '42703';
+        END IF;
+    END LOOP;
     SELECT a.attname INTO key_col
     FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
     WHERE i.indrelid = tbl AND i.indisprimary AND i.indnatts = 1;

@@ -199,3 +199,13 @@ def slow_engine(tiny_text_engine, monkeypatch):
 
     monkeypatch.setattr(target, "forward", slow)
     return tiny_text_engine
+
+
+def wait_until(cond, timeout: float = 5.0) -> bool:
+    """Poll `cond` until it holds or `timeout` seconds pass; returns its last value."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()

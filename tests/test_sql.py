@@ -9,6 +9,7 @@ import pytest
 from psycopg import errors
 
 from dflash.engine.engine import GenerationRequest
+from tests.conftest import wait_until
 
 
 @pytest.fixture
@@ -144,7 +145,7 @@ def test_statement_timeout_stops_the_call_and_the_worker(pg_dsn, slow_worker):
             conn.execute(LONG)
         elapsed = time.monotonic() - t
     assert elapsed < 0.3 + 0.25, elapsed
-    assert _wait(lambda: slow_worker.in_flight == 0)
+    assert wait_until(lambda: slow_worker.in_flight == 0)
 
 
 def test_pg_cancel_backend_stops_the_call(pg_dsn, slow_worker):
@@ -161,13 +162,13 @@ def test_pg_cancel_backend_stops_the_call(pg_dsn, slow_worker):
 
         th = threading.Thread(target=run)
         th.start()
-        assert _wait(lambda: slow_worker.in_flight == 1)
+        assert wait_until(lambda: slow_worker.in_flight == 1)
         t = time.monotonic()
         ctl.execute("SELECT pg_cancel_backend(%s)", (pid,))
         th.join(timeout=10)
         assert isinstance(outcome.get("exc"), errors.QueryCanceled)
         assert outcome["t"] - t < 0.25
-    assert _wait(lambda: slow_worker.in_flight == 0)
+    assert wait_until(lambda: slow_worker.in_flight == 0)
 
 
 def test_worker_down_is_a_clean_error_with_a_hint(pg_dsn, sql_worker, pg_server):
@@ -216,13 +217,6 @@ def test_worker_dying_mid_call(pg_dsn, sql_worker, pg_server):
     srv.close()
 
 
-def _wait(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 # --- privileges ------------------------------------------------------------------------------

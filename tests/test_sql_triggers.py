@@ -12,7 +12,7 @@ import pytest
 
 from dflash.engine.drafter import init_random_drafter, save_drafter
 from dflash.engine.engine import GenerationRequest
-from tests.conftest import make_tiny_target, tiny_drafter_config
+from tests.conftest import make_tiny_target, tiny_drafter_config, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +79,6 @@ def make_table(db, name, options):
     db.execute("SELECT dflash.enable_generation(%s, 'prompt', 'answer', %s::jsonb)", (name, options))
 
 
-def wait_for(cond, timeout=60.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def scalar(db, q, *args):
@@ -99,7 +92,7 @@ def test_queue_end_to_end(db, queue_worker, tiny_text_engine):
         db.execute("INSERT INTO notes (prompt) VALUES (%s)", (p,))
     assert scalar(db, "SELECT count(*) FROM dflash.queue WHERE tbl = 'notes'::regclass") == 3
     queue_worker.start()
-    assert wait_for(lambda: scalar(db, "SELECT count(*) FROM notes WHERE answer IS NULL") == 0)
+    assert wait_until(lambda: scalar(db, "SELECT count(*) FROM notes WHERE answer IS NULL") == 0, timeout=60)
     for p in prompts:
         expected = tiny_text_engine.generate(GenerationRequest(prompt=p, chat=True, max_new_tokens=8)).text
         assert scalar(db, "SELECT answer FROM notes WHERE prompt = %s", p) == expected
@@ -109,7 +102,7 @@ def test_queue_end_to_end(db, queue_worker, tiny_text_engine):
     assert scalar(db, "SELECT count(*) FROM dflash.queue") == 0
     # New rows are picked up while the worker runs (NOTIFY, with polling as the fallback).
     db.execute("INSERT INTO notes (prompt) VALUES ('Name a river.')")
-    assert wait_for(lambda: scalar(db, "SELECT count(*) FROM notes WHERE answer IS NULL") == 0, timeout=20)
+    assert wait_until(lambda: scalar(db, "SELECT count(*) FROM notes WHERE answer IS NULL") == 0, timeout=20)
 
 
 def test_rolled_back_insert_queues_nothing(db):
@@ -130,12 +123,13 @@ def test_exactly_once_when_the_worker_is_killed(db, queue_worker):
         db.execute("INSERT INTO notes_kill (prompt) VALUES (%s)", (f"Write a long story number {i}.",))
     done = "SELECT count(*) FROM dflash.generations WHERE source_table = 'notes_kill'::regclass"
     queue_worker.start()
-    assert wait_for(lambda: scalar(db, done) >= 1)
+    assert wait_until(lambda: scalar(db, done) >= 1, timeout=60)
     queue_worker.kill()  # most likely in the middle of the next item
     left = scalar(db, "SELECT count(*) FROM dflash.queue WHERE tbl = 'notes_kill'::regclass")
     assert left == n - scalar(db, done) and left > 0
     queue_worker.start()
-    assert wait_for(lambda: scalar(db, "SELECT count(*) FROM dflash.queue WHERE tbl = 'notes_kill'::regclass") == 0)
+    queued = "SELECT count(*) FROM dflash.queue WHERE tbl = 'notes_kill'::regclass"
+    assert wait_until(lambda: scalar(db, queued) == 0, timeout=60)
     assert scalar(db, done) == n  # one generation per row, none twice
     assert scalar(db, "SELECT count(*) FROM notes_kill WHERE answer IS NULL") == 0
 
@@ -144,7 +138,8 @@ def test_failures_retry_then_land_in_queue_failed(db, queue_worker):
     make_table(db, "notes_bad", '{"block_size": 1000}')
     db.execute("INSERT INTO notes_bad (prompt) VALUES ('fails every time')")
     queue_worker.start()
-    assert wait_for(lambda: scalar(db, "SELECT count(*) FROM dflash.queue_failed WHERE tbl = 'notes_bad'::regclass") == 1)
+    failed = "SELECT count(*) FROM dflash.queue_failed WHERE tbl = 'notes_bad'::regclass"
+    assert wait_until(lambda: scalar(db, failed) == 1, timeout=60)
     attempts, error = db.execute("SELECT attempts, error FROM dflash.queue_failed WHERE tbl = 'notes_bad'::regclass").fetchone()
     assert attempts == 2 and "block size" in error
     assert scalar(db, "SELECT count(*) FROM dflash.queue WHERE tbl = 'notes_bad'::regclass") == 0

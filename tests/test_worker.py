@@ -17,6 +17,7 @@ from dflash.engine.engine import GenerationRequest
 from dflash.serve.client import Client, WorkerError
 from dflash.serve.protocol import HEADER, encode
 from dflash.serve.server import Worker
+from tests.conftest import wait_until
 
 
 @pytest.fixture
@@ -45,13 +46,6 @@ def call(w, op, params=None, **kw):
         return c.call(op, params, **kw)
 
 
-def wait_until(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 # --- operations -------------------------------------------------------------------------

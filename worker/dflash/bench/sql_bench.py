@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
 import psycopg
 import torch
 
+from dflash.bench.worker_overhead import median_ms
 from dflash.embed import Embedder
 from dflash.engine.engine import Engine
 from dflash.localpg import start_local_cluster
@@ -27,16 +27,6 @@ from dflash.models import resolve_models
 from dflash.serve.client import Client
 from dflash.serve.queue import QueueConsumer
 from dflash.serve.server import Worker
-
-
-def median_ms(fn, n: int) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
