@@ -144,6 +144,9 @@ def test_failures_retry_then_land_in_queue_failed(db, queue_worker):
     assert attempts == 2 and "block size" in error
     assert scalar(db, "SELECT count(*) FROM dflash.queue WHERE tbl = 'notes_bad'::regclass") == 0
     assert scalar(db, "SELECT answer FROM notes_bad") is None
+    status, err = db.execute("SELECT status, error FROM dflash.generations"
+                             " WHERE source_table = 'notes_bad'::regclass").fetchone()
+    assert status == "error" and "block size" in err
 
 
 def test_sync_mode_fills_within_the_insert(db, tiny_text_engine):

@@ -188,8 +188,10 @@ class Engine:
             reason = on_step(out) if on_step is not None else None
             if reason:
                 return reason
-            if req.stop and any(s in self.decode(out) for s in req.stop):
-                return "stop"
+            if req.stop:
+                text = self.decode(out)
+                if any(s in text for s in req.stop):
+                    return "stop"
             return None
 
         result = speculative_generate(

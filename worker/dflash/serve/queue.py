@@ -151,6 +151,12 @@ class QueueConsumer:
                 " FROM dflash.queue WHERE id = %s",
                 (attempts, error, qid),
             )
+            conn.execute(
+                "INSERT INTO dflash.generations (mode, status, error, prompt, params, calling_role, source_table)"
+                " SELECT 'trigger', 'error', %s, coalesce(prompt, ''), options, calling_role, tbl"
+                " FROM dflash.queue WHERE id = %s",
+                (error, qid),
+            )
             conn.execute("DELETE FROM dflash.queue WHERE id = %s", (qid,))
             self.failed += 1
             log.warning("queue item %s failed %d times, moved to dflash.queue_failed: %s", qid, attempts, error)
