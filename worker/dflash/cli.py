@@ -116,7 +116,8 @@ def cmd_bench(args) -> int:
     from dflash.bench.run import markdown, run_bench, write_report
 
     engine = load_engine(args)
-    report = run_bench(engine, args.suites.split(","), args.methods.split(","), args.limit, args.max_new_tokens)
+    report = run_bench(engine, args.suites.split(","), args.methods.split(","), args.limit, args.max_new_tokens,
+                       args.assistant)
     write_report(report, Path(args.out))
     print(markdown(report))
     print(f"results: {Path(args.out) / 'results.json'}", file=sys.stderr)
@@ -237,10 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="benchmark block size 1 (ar) against DFlash block sizes")
+    p = sub.add_parser("bench", help="every method on the same prompts: speed, tau, greedy agreement")
     add_model_args(p)
-    p.add_argument("--suites", default="chat")
-    p.add_argument("--methods", default="ar,dflash-4,dflash-8,dflash-16")
+    p.add_argument("--suites", default="code,chat,agent")
+    p.add_argument("--methods", default="ar-hf,ar,dflash-4,dflash-8,dflash-16,prompt-lookup")
+    p.add_argument("--assistant", help="small AR draft model folder, for the assisted-ar method")
     p.add_argument("--limit", type=int, help="prompts per suite (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default="bench-out")

