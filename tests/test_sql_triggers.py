@@ -1,11 +1,9 @@
 """Generate on INSERT: the queue path through a `dflash serve --database` worker process
 (rollback, exactly-once under a worker kill, retries into queue_failed) and the sync mode."""
 
-import os
 import signal
 import subprocess
 import sys
-import time
 
 import psycopg
 import pytest

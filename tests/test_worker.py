@@ -5,7 +5,6 @@ import json
 import os
 import socket
 import stat
-import struct
 import threading
 import time
 

@@ -14,12 +14,11 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import psycopg
 import torch
 
-from dflash.bench.worker_overhead import median_ms
+from dflash.bench.timing import median_ms, write_json_report
 from dflash.embed import Embedder
 from dflash.engine.engine import Engine
 from dflash.localpg import start_local_cluster
@@ -92,10 +91,7 @@ def main(argv=None) -> int:
     finally:
         worker.shutdown()
         server.stop()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sql_bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    write_json_report(report, args.out, "sql_bench.json")
     return 0
 
 

@@ -10,29 +10,16 @@ text and of a 1-token `generate`, and writes worker_overhead.json.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import tempfile
-import time
-from pathlib import Path
 
 import torch
 
+from dflash.bench.timing import median_ms, write_json_report
 from dflash.embed import Embedder
 from dflash.engine.engine import Engine, GenerationRequest
 from dflash.models import resolve_models
 from dflash.serve.client import Client
 from dflash.serve.server import Worker
-
-
-def median_ms(fn, n: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -62,10 +49,7 @@ def main(argv=None) -> int:
     rows["embed_overhead_ms"] = rows["embed_socket_ms"] - rows["embed_in_process_ms"]
     rows["generate1_overhead_ms"] = rows["generate1_socket_ms"] - rows["generate1_in_process_ms"]
     report = {"n": args.n, "threads": torch.get_num_threads(), "torch": torch.__version__, **rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "worker_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    write_json_report(report, args.out, "worker_overhead.json")
     return 0
 
 

@@ -1,0 +1,27 @@
+"""Small helpers the benchmark scripts share: medians of repeated calls, JSON reports."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+
+def median_ms(fn, n: int) -> float:
+    """Median wall time of `fn()` over n calls, after one warm-up call, in milliseconds."""
+    fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def write_json_report(report: dict, out: str | Path, name: str) -> None:
+    """Write `report` to OUT/NAME and echo it."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
