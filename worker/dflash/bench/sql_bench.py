@@ -18,7 +18,7 @@ import time
 import psycopg
 import torch
 
-from dflash.bench.timing import median_ms, write_json_report
+from dflash.bench.timing import interleaved_medians_ms, write_json_report
 from dflash.embed import Embedder
 from dflash.engine.engine import Engine
 from dflash.localpg import start_local_cluster
@@ -26,6 +26,32 @@ from dflash.models import resolve_models
 from dflash.serve.client import Client
 from dflash.serve.queue import QueueConsumer
 from dflash.serve.server import Worker
+
+
+def measure_queue(conn, worker, server, args) -> dict:
+    """Insert args.rows rows into a generate-on-insert table; time until the worker filled all."""
+    conn.execute("ALTER ROLE dflash_worker LOGIN")
+    conn.execute("CREATE TABLE bench_rows (id serial PRIMARY KEY, prompt text, answer text)")
+    opts = {"max_new_tokens": args.tokens}
+    if args.block_size:
+        opts["block_size"] = args.block_size
+    conn.execute("SELECT dflash.enable_generation('bench_rows', 'prompt', 'answer', %s)", (json.dumps(opts),))
+    with conn.transaction():
+        for i in range(args.rows):
+            conn.execute("INSERT INTO bench_rows (prompt) VALUES (%s)",
+                         (f"Write one sentence about the number {i}.",))
+    consumer = QueueConsumer(worker, server.dsn(user="dflash_worker"), poll_s=0.2)
+    t = time.perf_counter()
+    consumer.start()
+    while conn.execute("SELECT count(*) FROM bench_rows WHERE answer IS NULL").fetchone()[0]:
+        time.sleep(0.2)
+    elapsed = time.perf_counter() - t
+    consumer.shutdown()
+    tokens = conn.execute(
+        "SELECT sum(new_tokens) FROM dflash.generations WHERE source_table = 'bench_rows'::regclass"
+    ).fetchone()[0]
+    return dict(queue_rows=args.rows, queue_tokens_per_row=args.tokens, queue_block_size=args.block_size,
+                queue_seconds=elapsed, queue_rows_per_minute=args.rows / elapsed * 60, queue_new_tokens=tokens)
 
 
 def main(argv=None) -> int:
@@ -53,41 +79,20 @@ def main(argv=None) -> int:
             conn.execute("SELECT dflash.set_config('remember', 'off')")  # measure the call, not the memory
             client = Client(str(sock)).connect()
             params = {"prompt": "Hi", "max_new_tokens": 1, "chat": True}
-            report["generate1_client_ms"] = median_ms(lambda: client.call("generate", params), args.n)
-            report["generate1_sql_ms"] = median_ms(
-                lambda: conn.execute("SELECT dflash_generate('Hi', max_new_tokens => 1)").fetchone(), args.n
-            )
-            report["generate1_sql_overhead_ms"] = report["generate1_sql_ms"] - report["generate1_client_ms"]
-            client.close()
+            query = "SELECT dflash_generate('Hi', max_new_tokens => 1)"
+            calls = {"client": lambda: client.call("generate", params), "sql": lambda: conn.execute(query).fetchone()}
+            # Alternating calls, so drift on a shared machine hits both paths alike.
+            med = interleaved_medians_ms(calls, args.n)
+            report.update(generate1_client_ms=med["client"], generate1_sql_ms=med["sql"],
+                          generate1_sql_overhead_ms=med["sql"] - med["client"])
             conn.execute("SELECT dflash.set_config('remember', 'on')")
             # With the memory row too (one more embed round trip and an HNSW insert).
-            report["generate1_sql_remember_ms"] = median_ms(
-                lambda: conn.execute("SELECT dflash_generate('Hi', max_new_tokens => 1)").fetchone(), args.n
-            )
-
-            conn.execute("ALTER ROLE dflash_worker LOGIN")
-            conn.execute("CREATE TABLE bench_rows (id serial PRIMARY KEY, prompt text, answer text)")
-            opts = {"max_new_tokens": args.tokens}
-            if args.block_size:
-                opts["block_size"] = args.block_size
-            conn.execute("SELECT dflash.enable_generation('bench_rows', 'prompt', 'answer', %s)", (json.dumps(opts),))
-            with conn.transaction():
-                for i in range(args.rows):
-                    conn.execute("INSERT INTO bench_rows (prompt) VALUES (%s)",
-                                 (f"Write one sentence about the number {i}.",))
-            consumer = QueueConsumer(worker, server.dsn(user="dflash_worker"), poll_s=0.2)
-            t = time.perf_counter()
-            consumer.start()
-            while conn.execute("SELECT count(*) FROM bench_rows WHERE answer IS NULL").fetchone()[0]:
-                time.sleep(0.2)
-            elapsed = time.perf_counter() - t
-            consumer.shutdown()
-            tokens = conn.execute(
-                "SELECT sum(new_tokens) FROM dflash.generations WHERE source_table = 'bench_rows'::regclass"
-            ).fetchone()[0]
-            report.update(queue_rows=args.rows, queue_tokens_per_row=args.tokens, queue_block_size=args.block_size,
-                          queue_seconds=elapsed, queue_rows_per_minute=args.rows / elapsed * 60,
-                          queue_new_tokens=tokens)
+            med = interleaved_medians_ms(calls, args.n)
+            report.update(generate1_client_ms_2=med["client"], generate1_sql_remember_ms=med["sql"],
+                          generate1_sql_remember_overhead_ms=med["sql"] - med["client"])
+            client.close()
+            if args.rows:
+                report.update(measure_queue(conn, worker, server, args))
     finally:
         worker.shutdown()
         server.stop()
