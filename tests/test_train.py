@@ -9,10 +9,11 @@ from dflash.engine.drafter import load_drafter
 from dflash.engine.engine import Engine, GenerationRequest
 from dflash.train.data import collect_prompts, excluded_prompts, load_records
 from dflash.train.features import FeatureCache
-from dflash.train.objective import build_blocks, sample_anchors
+from dflash.bench.run import PROMPT_DIR as PROMPTS_DIR
+from dflash.train.objective import build_blocks, pack_blocks, sample_anchors
 from dflash.train.pipeline import drafter_config_for, init_from_target
 from dflash.train.trainer import TrainConfig, train
-from tests.conftest import make_tiny_target
+from tests.conftest import make_tiny_target, tiny_drafter_config
 
 
 def test_blocks_mask_labels_and_weights():
@@ -83,3 +84,106 @@ def test_training_lowers_loss_and_round_trips(tmp_path, smol_dir):
     # resuming a finished run does no more steps
     again = train(load_drafter(tmp_path / "run" / "drafter"), target, cache, tmp_path / "run", cfg)
     assert again["step"] == state["step"]
+
+
+def _random_blocks(seed: int, T: int, n_anchors: int, L: int = 4) -> tuple[torch.Tensor, object]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(20, 60, (T,), generator=gen)
+    anchors = sample_anchors(T, 3, L, n_anchors, gen)
+    return ids, build_blocks(ids, anchors, L, mask_id=3, gamma=7.0)
+
+
+def test_packed_blocks_see_only_their_own_sequence():
+    parts = [_random_blocks(s, T, a)[1] for s, T, a in ((0, 12, 3), (1, 20, 5), (2, 9, 2))]
+    packed = pack_blocks(parts)
+    m, T = packed.attn_mask, sum(len(p.k_seq) for p in parts)
+    r = c = 0
+    for p in parts:
+        q, t = len(p.block_ids), len(p.k_seq)
+        own = p.attn_mask
+        # the packed mask restricted to this sequence's rows is its own mask, everything else is hidden
+        assert torch.equal(m[r : r + q, c : c + t], own[:, :t])
+        assert torch.equal(m[r : r + q, T + r : T + r + q], own[:, t:])
+        assert m[r : r + q].sum() == own.sum()
+        r, c = r + q, c + t
+
+
+def test_packed_forward_equals_separate_forwards():
+    from dflash.engine.drafter import init_random_drafter
+
+    torch.manual_seed(0)
+    dcfg = tiny_drafter_config(vocab=64, block_size=4)
+    drafter = init_random_drafter(dcfg, seed=1, std=0.2).eval()
+    width = dcfg.num_features * dcfg.hidden_size
+    embed = torch.randn(64, dcfg.hidden_size)
+    seqs = [_random_blocks(s, T, a) for s, T, a in ((0, 12, 3), (1, 20, 5))]
+    feats = [torch.randn(len(ids), width) for ids, _ in seqs]
+    with torch.no_grad():
+        alone = [drafter(f[None], embed[b.block_ids][None], b.positions, attn_mask=b.attn_mask)[0]
+                 for f, (_, b) in zip(feats, seqs)]
+        packed = pack_blocks([b for _, b in seqs])
+        together = drafter(torch.cat(feats)[None], embed[packed.block_ids][None], packed.positions,
+                           attn_mask=packed.attn_mask)[0]
+    assert torch.allclose(torch.cat(alone), together, atol=1e-5)
+
+
+def test_batched_features_equal_one_sequence_at_a_time(tmp_path):
+    target = make_tiny_target(vocab=64, context=96)
+    gen = torch.Generator().manual_seed(0)
+    records = [{"prompt": f"p{i}", "prompt_ids": torch.randint(2, 64, (3 + i,), generator=gen).tolist(),
+                "response_ids": torch.randint(2, 64, (5 + 3 * i,), generator=gen).tolist()} for i in range(6)]
+    cache = FeatureCache(tmp_path / "f")
+    cache.build(target, records[:2], [0, 2], batch_tokens=64)
+    cache = FeatureCache(tmp_path / "f")  # reopened: resumes after the first two
+    cache.build(target, records, [0, 2], batch_tokens=64)
+    assert sorted(s["prompt"] for s in cache.sequences) == sorted(r["prompt"] for r in records)
+    for seq in cache.sequences:
+        target.reset([0, 2])
+        _, ref = target.forward(torch.tensor(seq["ids"]))
+        assert torch.allclose(cache.features(seq), ref.to(torch.bfloat16).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_sources_are_varied_and_humaneval_shaped():
+    from dflash.train import sources
+
+    shaped = [p for p in sources.stdlib_prompts() if p.startswith("def ")]
+    assert len(shaped) > 200
+    compile(shaped[0] + "    pass\n", "<prompt>", "exec")  # a signature and docstring, like HumanEval
+    topics = sources.topic_prompts()
+    assert len(topics) >= 10 * len(sources._lines(sources.TOPIC_FILE))
+    chat = {line.strip().lower() for line in (PROMPTS_DIR / "chat.txt").read_text().splitlines()}
+    assert not any(t.lower() in p for t in sources._lines(sources.TOPIC_FILE) for p in chat if len(t) > 8)
+
+
+def test_prompt_file_round_trip_drops_benchmark_prompts(tmp_path):
+    from dflash.train.data import read_prompt_file, write_prompt_file
+
+    bench = "Explain what a database index is and when it helps."
+    write_prompt_file(["a\nmulti-line prompt", bench, "Tell me about owls."], tmp_path / "p.jsonl")
+    assert read_prompt_file(tmp_path / "p.jsonl") == ["a\nmulti-line prompt", "Tell me about owls."]
+
+
+def test_ar_assistant_trains_and_materialises(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from dflash.train.assistant import build_assistant, materialize_assistant, train_assistant
+
+    target = make_tiny_target(vocab=64, context=96)
+    gen = torch.Generator().manual_seed(0)
+    records = [{"prompt": f"p{i}", "prompt_ids": [5, 6, 7],
+                "response_ids": (torch.arange(10, 30) + i % 3).tolist()} for i in range(12)]
+    model = build_assistant(target.model, layers=2)
+    frozen = model.get_input_embeddings().weight.clone()
+    state = train_assistant(model, records, tmp_path / "run", lr=3e-3, seqs_per_step=4, epochs=10)
+    losses = [l for _, _, l in state["losses"]]
+    assert losses[-1] < 0.5 * losses[0]
+    assert torch.equal(model.get_input_embeddings().weight, frozen)  # the target's embedding stays as it was
+    out = materialize_assistant(tmp_path / "run" / "assistant", target.model, tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.tensor([[5, 6, 7, 10, 11]])
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # stored layers are bf16: compare like with like
+            if name.startswith(("model.layers.", "model.norm.")):
+                p.copy_(p.to(torch.bfloat16).float())
+        assert torch.allclose(loaded(x).logits, model.eval()(x).logits, atol=1e-4)
+    assert loaded.config.num_hidden_layers == 2

@@ -218,12 +218,13 @@ def cmd_train(args) -> int:
         epochs=args.epochs, lr=args.lr, num_anchors=args.num_anchors, seqs_per_step=args.seqs_per_step,
         time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None,
         checkpoint_minutes=args.checkpoint_minutes, reduced_vocab=not args.full_vocab_loss, seed=args.seed,
+        pack=args.pack,
     )
     drafter = run(
         Path(args.target) if args.target else ensure_default_target(), Path(args.out), prompts=args.prompts,
         max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch, layers=args.layers,
         block_size=args.block_size, layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
-        init=args.init, cfg=cfg, device=args.device,
+        init=args.init, cfg=cfg, device=args.device, prompt_file=Path(args.prompt_file) if args.prompt_file else None,
     )
     print(f"drafter written to {drafter}")
     return 0
@@ -285,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int)
     p.add_argument("--prompts", type=int, help="how many offline prompts to use (default: all)")
+    p.add_argument("--prompt-file", help="JSONL of prompts to use instead of collecting them here")
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length when regenerating")
     p.add_argument("--gen-batch", type=int, default=8, help="prompts per batched regeneration")
     p.add_argument("--layers", type=int, default=2, help="draft layers")
@@ -296,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--num-anchors", type=int, default=32, help="blocks per sequence per step")
     p.add_argument("--seqs-per-step", type=int, default=4)
+    p.add_argument("--pack", type=int, default=1, help="sequences per forward (1 on CPU; 8+ on a GPU)")
     p.add_argument("--time-budget-min", type=float, help="stop training after this many minutes (resumable)")
     p.add_argument("--checkpoint-minutes", type=float, default=5.0)
     p.add_argument("--full-vocab-loss", action="store_true", help="softmax over the whole vocabulary")

@@ -116,8 +116,15 @@ class Attention(nn.Module):
             q_pos = positions[-L:][:, None]
             k_pos = torch.arange(k.shape[2], device=k.device)[None, :] + (positions[-1] + 1 - k.shape[2])
             mask = (k_pos <= q_pos) & (q_pos - k_pos < self.window)
+        gqa = self.n_heads != self.n_kv
+        if gqa and attn_mask is not None and q.is_cuda:
+            # Training on a GPU: with a dense mask, only the memory-efficient kernel avoids
+            # materialising [heads, Q, K] scores, and it takes no grouped K/V: expand them.
+            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            gqa = False
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=False, scale=self.head_dim**-0.5, enable_gqa=self.n_heads != self.n_kv
+            q, k, v, attn_mask=mask, is_causal=False, scale=self.head_dim**-0.5, enable_gqa=gqa
         )
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], L, -1))
 

@@ -24,11 +24,28 @@ def default_gamma(block_size: int) -> float:
 
 @dataclass
 class Blocks:
-    positions: torch.Tensor  # [T + A*L]: context positions, then every block's
-    block_ids: torch.Tensor  # [A*L]: anchor token then mask ids, per block
-    attn_mask: torch.Tensor  # [A*L, T + A*L] bool, True = visible
-    labels: torch.Tensor  # [A*L] (-100 where no loss)
-    weights: torch.Tensor  # [A*L]
+    """The blocks of one or more sequences (packed), with compact descriptors from which
+    the dense attention mask is built on whichever device the tensors live on."""
+
+    positions: torch.Tensor  # [T + Q]: context positions, then every block's
+    block_ids: torch.Tensor  # [Q]: anchor token then mask ids, per block
+    labels: torch.Tensor  # [Q] (-100 where no loss)
+    weights: torch.Tensor  # [Q]
+    q_seq: torch.Tensor  # [Q] which sequence a block row belongs to
+    q_anchor: torch.Tensor  # [Q] its block's anchor position (in its sequence)
+    q_block: torch.Tensor  # [Q] global block number
+    k_seq: torch.Tensor  # [T] which sequence a context row belongs to
+
+    @property
+    def attn_mask(self) -> torch.Tensor:
+        """[Q, T + Q] bool, True = visible: the own sequence's context strictly before the
+        anchor, and the own block (bidirectionally); never another block or sequence."""
+        T = len(self.k_seq)
+        ctx = (self.k_seq[None, :] == self.q_seq[:, None]) & (self.positions[None, :T] < self.q_anchor[:, None])
+        return torch.cat((ctx, self.q_block[:, None] == self.q_block[None, :]), dim=-1)
+
+    def to(self, device) -> "Blocks":
+        return Blocks(*(getattr(self, f).to(device, non_blocking=True) for f in self.__dataclass_fields__))
 
 
 def sample_anchors(n_tokens: int, response_start: int, block_size: int, num_anchors: int, gen) -> torch.Tensor:
@@ -47,22 +64,36 @@ def build_blocks(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
     pos = anchors[:, None] + offs[None, :]  # [A, L]
     block_ids = torch.full((A, L), mask_id, dtype=torch.long)
     block_ids[:, 0] = ids[anchors]
-    label_pos = pos.clone()
-    valid = (offs[None, :] >= 1) & (label_pos < T)
-    labels = torch.where(valid, ids[label_pos.clamp(max=T - 1)], torch.full_like(label_pos, -100))
+    valid = (offs[None, :] >= 1) & (pos < T)
+    labels = torch.where(valid, ids[pos.clamp(max=T - 1)], torch.full_like(pos, -100))
     w = torch.exp(-(offs.float() - 1) / gamma)
     weights = torch.where(valid, w[None, :].expand(A, L), torch.zeros(A, L))
-    ctx_visible = torch.arange(T)[None, :] < anchors[:, None]  # [A, T]: strictly before the anchor
-    same_block = torch.eye(A, dtype=torch.bool)  # [A, A]
-    mask = torch.cat(
-        (
-            ctx_visible[:, None, :].expand(A, L, T),
-            same_block[:, None, :, None].expand(A, L, A, L).reshape(A, L, A * L),
-        ),
-        dim=-1,
-    ).reshape(A * L, T + A * L)
     positions = torch.cat((torch.arange(T), pos.reshape(-1)))
-    return Blocks(positions, block_ids.reshape(-1), mask, labels.reshape(-1), weights.reshape(-1))
+    return Blocks(positions, block_ids.reshape(-1), labels.reshape(-1), weights.reshape(-1),
+                  q_seq=torch.zeros(A * L, dtype=torch.long), q_anchor=anchors.repeat_interleave(L),
+                  q_block=torch.arange(A).repeat_interleave(L), k_seq=torch.zeros(T, dtype=torch.long))
+
+
+def pack_blocks(parts: list[Blocks]) -> Blocks:
+    """Several sequences' blocks in one forward: contexts side by side, then all blocks; each
+    block sees only its own sequence's context (and itself), so every block's loss is what
+    it would be alone, and a GPU runs one large forward instead of many small ones."""
+    ctx = [len(p.k_seq) for p in parts]
+    blocks = 0
+    q_block = []
+    for p in parts:
+        q_block.append(p.q_block + blocks)
+        blocks += int(p.q_block.max()) + 1 if len(p.q_block) else 0
+    return Blocks(
+        torch.cat([p.positions[:t] for p, t in zip(parts, ctx)] + [p.positions[t:] for p, t in zip(parts, ctx)]),
+        torch.cat([p.block_ids for p in parts]),
+        torch.cat([p.labels for p in parts]),
+        torch.cat([p.weights for p in parts]),
+        q_seq=torch.cat([torch.full_like(p.q_seq, i) for i, p in enumerate(parts)]),
+        q_anchor=torch.cat([p.q_anchor for p in parts]),
+        q_block=torch.cat(q_block),
+        k_seq=torch.cat([torch.full_like(p.k_seq, i) for i, p in enumerate(parts)]),
+    )
 
 
 def weighted_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
@@ -83,3 +114,4 @@ def cosine_lr(step: int, total: int, base: float, warmup: int) -> float:
         return base * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return base * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+

@@ -13,7 +13,7 @@ import torch
 from dflash.engine.config import DrafterConfig, build_target_layer_ids
 from dflash.engine.drafter import DFlashDrafter, init_random_drafter
 from dflash.engine.target import TargetModel
-from dflash.train.data import collect_prompts, load_records, regenerate
+from dflash.train.data import collect_prompts, load_records, read_prompt_file, regenerate
 from dflash.train.features import FeatureCache
 from dflash.train.trainer import TrainConfig, train
 
@@ -60,11 +60,12 @@ def init_from_target(drafter: DFlashDrafter, target: TargetModel) -> None:
 
 def run(target_dir: Path, out: Path, *, prompts: int | None, max_new_tokens: int, gen_batch: int, layers: int,
         block_size: int, layer_ids: list[int] | None, mask_token_id: int, init: str, cfg: TrainConfig,
-        device: str = "cpu") -> Path:
+        device: str = "cpu", prompt_file: Path | None = None) -> Path:
     out = Path(out)
     target = TargetModel.from_pretrained(target_dir, device=device)
     data = out / "data.jsonl"
-    regenerate(target, collect_prompts(prompts), data, max_new_tokens=max_new_tokens, batch_size=gen_batch)
+    todo = read_prompt_file(prompt_file)[:prompts] if prompt_file else collect_prompts(prompts)
+    regenerate(target, todo, data, max_new_tokens=max_new_tokens, batch_size=gen_batch)
     dcfg = drafter_config_for(target, layers, block_size, layer_ids, mask_token_id)
     cache = FeatureCache(out / "features")
     cache.build(target, load_records(data), dcfg.target_layer_ids)

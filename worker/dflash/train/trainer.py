@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from dflash.engine.drafter import DFlashDrafter, save_drafter
 from dflash.train.features import FeatureCache
-from dflash.train.objective import build_blocks, cosine_lr, default_gamma, sample_anchors, weighted_loss
+from dflash.train.objective import build_blocks, cosine_lr, default_gamma, pack_blocks, sample_anchors, weighted_loss
 
 
 @dataclass
@@ -33,6 +33,9 @@ class TrainConfig:
     time_budget_s: float | None = None
     checkpoint_minutes: float = 5.0
     reduced_vocab: bool = True
+    schedule_by_time: bool = False  # with a time budget: the cosine schedule ends when the budget does
+    pack: int = 1  # sequences per forward: 1 on CPU (dense masks grow quadratically), many on a GPU
+    snapshot_dir: str | None = None  # also write a loadable drafter here at every checkpoint
     seed: int = 0
 
 
@@ -42,6 +45,23 @@ def vocab_subset(cache: FeatureCache, vocab_size: int) -> torch.Tensor:
     for s in cache.sequences:
         seen[torch.tensor(s["ids"])] = True
     return seen.nonzero()[:, 0]
+
+
+def schedule_step(step: int, total: int, elapsed_s: float, cfg: TrainConfig) -> int:
+    """Where the LR schedule stands: by steps, or by the share of the time budget spent when
+    a run is bounded by time rather than epochs (whichever is further along)."""
+    if cfg.schedule_by_time and cfg.time_budget_s:
+        return max(step, int(total * elapsed_s / cfg.time_budget_s))
+    return step
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA (fp32 master weights); plain fp32 on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def train(drafter: DFlashDrafter, target, cache: FeatureCache, out: Path, cfg: TrainConfig,
@@ -58,11 +78,13 @@ def train(drafter: DFlashDrafter, target, cache: FeatureCache, out: Path, cfg: T
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     head = target.lm_head.weight.detach()
     embed = target.embed_tokens.weight.detach()
-    vocab = vocab_subset(cache, head.shape[0]) if cfg.reduced_vocab else None
+    dev = head.device
+    drafter.to(dev)
+    vocab = vocab_subset(cache, head.shape[0]).to(dev) if cfg.reduced_vocab else None
     remap = None
     if vocab is not None:
-        remap = torch.full((head.shape[0],), -100, dtype=torch.long)
-        remap[vocab] = torch.arange(len(vocab))
+        remap = torch.full((head.shape[0],), -100, dtype=torch.long, device=dev)
+        remap[vocab] = torch.arange(len(vocab), device=dev)
 
     state = {"step": 0, "losses": [], "elapsed_s": 0.0}
     ckpt = out / "checkpoint.pt"
@@ -76,6 +98,8 @@ def train(drafter: DFlashDrafter, target, cache: FeatureCache, out: Path, cfg: T
         torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "state": state,
                     "config": asdict(cfg)}, out / "checkpoint.pt.tmp")
         (out / "checkpoint.pt.tmp").replace(ckpt)
+        if cfg.snapshot_dir:
+            save_drafter(drafter, cfg.snapshot_dir)
 
     drafter.train()
     start = time.monotonic() - state["elapsed_s"]
@@ -87,33 +111,41 @@ def train(drafter: DFlashDrafter, target, cache: FeatureCache, out: Path, cfg: T
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)  # fresh anchors every epoch
         order = torch.randperm(len(seqs), generator=gen)
         batch = order[i * cfg.seqs_per_step : (i + 1) * cfg.seqs_per_step].tolist()
-        lr = cosine_lr(step, total, cfg.lr, max(1, int(cfg.warmup_ratio * total)))
+        lr = cosine_lr(schedule_step(step, total, time.monotonic() - start, cfg), total, cfg.lr,
+                       max(1, int(cfg.warmup_ratio * total)))
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
         loss_sum, n = 0.0, 0
-        for j in batch:
-            seq = seqs[j]
-            ids = torch.tensor(seq["ids"])
-            anchor_gen = torch.Generator().manual_seed(cfg.seed + 7919 * step + j)
-            anchors = sample_anchors(len(ids), seq["response_start"], L, cfg.num_anchors, anchor_gen)
-            if len(anchors) == 0:
+        packs = [batch[k : k + max(1, cfg.pack)] for k in range(0, len(batch), max(1, cfg.pack))]
+        for pack in packs:
+            parts = []
+            for j in pack:
+                seq = seqs[j]
+                ids = torch.tensor(seq["ids"])
+                anchor_gen = torch.Generator().manual_seed(cfg.seed + 7919 * step + j)
+                anchors = sample_anchors(len(ids), seq["response_start"], L, cfg.num_anchors, anchor_gen)
+                if len(anchors):
+                    parts.append((seq, build_blocks(ids, anchors, L, dcfg.mask_token_id, gamma)))
+            if not parts:
                 continue
-            b = build_blocks(ids, anchors, L, dcfg.mask_token_id, gamma)
-            feats = cache.features(seq)
-            hidden = drafter(feats[None], embed[b.block_ids][None], b.positions, attn_mask=b.attn_mask)[0]
-            labels = remap[b.labels.clamp_min(0)].masked_fill(b.labels < 0, -100) if remap is not None else b.labels
-            loss = weighted_loss(hidden, head, labels, b.weights, vocab) / len(batch)
+            b = (pack_blocks([p for _, p in parts]) if len(parts) > 1 else parts[0][1]).to(dev)
+            feats = torch.cat([cache.features(seq, torch.bfloat16) for seq, _ in parts]).to(dev).float()
+            with autocast(dev):
+                hidden = drafter(feats[None], embed[b.block_ids][None], b.positions, attn_mask=b.attn_mask)[0]
+                labels = remap[b.labels.clamp_min(0)].masked_fill(b.labels < 0, -100) if remap is not None else b.labels
+                loss = weighted_loss(hidden, head, labels, b.weights, vocab) * len(parts) / len(batch)
             loss.backward()
             loss_sum += loss.item() * len(batch)
-            n += 1
+            n += len(parts)
+            state["sequences"] = state.get("sequences", 0) + len(parts)
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         state["step"] += 1
         state["elapsed_s"] = time.monotonic() - start
         if n:
-            state["losses"].append((state["step"], state["elapsed_s"], loss_sum / n))
-            bar.set_postfix(loss=f"{loss_sum / n:.3f}", lr=f"{lr:.1e}")
+            state["losses"].append((state["step"], state["elapsed_s"], loss_sum / len(batch)))
+            bar.set_postfix(loss=f"{loss_sum / len(batch):.3f}", lr=f"{lr:.1e}")
         bar.update()
         if time.monotonic() - last_ckpt > cfg.checkpoint_minutes * 60:
             save_checkpoint()
