@@ -82,15 +82,7 @@ def generation_params(plpy, fn, prompt, args):
 
 # --- recording ----------------------------------------------------------------------------
 
-_INSERT_GENERATION = """
-INSERT INTO dflash.generations (mode, status, prompt, output, target, drafter, params, block_size, steps,
-    new_tokens, tau, acceptance_rate, accepted_per_position, prefill_ms, decode_ms, queue_ms, total_ms,
-    tokens_per_s, source_table)
-VALUES ($1, 'ok', $2, $3, $4, $5, $6::jsonb, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)
-RETURNING id"""
-_INSERT_MEMORY = """
-INSERT INTO dflash.memory (generation_id, prompt, output, embedding, embedder)
-VALUES ($1, $2, $3, $4::vector, $5)"""
+_RECORD = "SELECT dflash.record_generation($1, $2, $3::jsonb, $4::jsonb, $5, $6, $7, NULL, $8::vector, $9) AS id"
 
 
 def _plan(plpy, name, query, types):
@@ -104,23 +96,15 @@ def _plan(plpy, name, query, types):
 
 def record(plpy, mode, params, result, total_ms, cfg, source_table=None):
     """Write the generations row (and the memory row) in the caller's transaction."""
-    plan = _plan(plpy, "gen", _INSERT_GENERATION, [
-        "text", "text", "text", "text", "text", "text", "int4", "int4", "int4", "float8", "float8", "int4[]",
-        "float8", "float8", "float8", "float8", "float8", "regclass"])
-    shown = {k: v for k, v in params.items() if k != "prompt"}
-    gen_id = plpy.execute(plan, [
-        mode, params["prompt"], result["text"], result.get("target"), result.get("drafter"), json.dumps(shown),
-        result.get("block_size"), result.get("num_steps"), result.get("new_tokens"), result.get("tau"),
-        result.get("acceptance_rate"), result.get("accepted_per_position"), 1000 * result.get("prefill_s", 0),
-        1000 * result.get("decode_s", 0), result.get("queue_ms"), total_ms, result.get("tokens_per_s"),
-        source_table,
-    ])[0]["id"]
+    vec = model = None
     if cfg.get("remember", "on") == "on" and result["text"].strip():
         emb = call(plpy, "embed", {"texts": [memory_text(params["prompt"], result["text"])]}, cfg)
-        vec = vector_text(emb["embeddings"][0])
-        mplan = _plan(plpy, "mem", _INSERT_MEMORY, ["int8", "text", "text", "text", "text"])
-        plpy.execute(mplan, [gen_id, params["prompt"], result["text"], vec, emb.get("model")])
-    return gen_id
+        vec, model = vector_text(emb["embeddings"][0]), emb.get("model")
+    plan = _plan(plpy, "record", _RECORD, ["text", "text", "text", "text", "float8", "float8", "regclass", "text",
+                                           "text"])
+    shown = {k: v for k, v in params.items() if k != "prompt"}
+    return plpy.execute(plan, [mode, params["prompt"], json.dumps(shown), json.dumps(result), result.get("queue_ms"),
+                               total_ms, source_table, vec, model])[0]["id"]
 
 
 def memory_text(prompt, output):

@@ -38,3 +38,22 @@ def test_unknown_method_or_missing_assistant(tiny_text_engine):
         run_bench(tiny_text_engine, ["chat"], ["nope"], 1, 2)
     with pytest.raises(SystemExit, match="--assistant"):
         run_bench(tiny_text_engine, ["chat"], ["assisted-ar"], 1, 2)
+
+
+def test_assisted_ar_with_a_stored_assistant(tiny_text_engine, tmp_path, monkeypatch):
+    """A stored assistant (layers only) is materialised once with the target's embedding
+    and then runs transformers' assisted generation, greedy-identical to ar-hf."""
+    from dflash.models import assistant_dir
+    from dflash.train.assistant import build_assistant, save_assistant
+
+    monkeypatch.setenv("PG_DFLASH_CACHE", str(tmp_path / "cache"))
+    model = tiny_text_engine.target.model
+    save_assistant(build_assistant(model, layers=2), tmp_path / "stored")
+    hf = assistant_dir(tmp_path / "stored", model, target_is_default=False)
+    assert (hf / "config.json").is_file() and hf.parent == tmp_path / "cache" / "assistants"
+    mtime = (hf / "config.json").stat().st_mtime_ns
+    assert assistant_dir(tmp_path / "stored", model, False) == hf and (hf / "config.json").stat().st_mtime_ns == mtime
+    assert assistant_dir(None, model, target_is_default=False) is None  # no default for other targets
+    report = run_bench(tiny_text_engine, ["chat"], ["ar-hf", "assisted-ar"], 2, 6, str(hf))
+    rows = {r["method"]: r for r in report["results"]}
+    assert rows["assisted-ar"]["greedy_mismatches"] == 0 and rows["assisted-ar"]["new_tokens"] > 0

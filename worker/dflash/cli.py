@@ -115,9 +115,14 @@ def cmd_bench(args) -> int:
 
     from dflash.bench.run import markdown, run_bench, write_report
 
+    from dflash.models import assistant_dir
+
     engine = load_engine(args)
-    report = run_bench(engine, args.suites.split(","), args.methods.split(","), args.limit, args.max_new_tokens,
-                       args.assistant)
+    methods = args.methods.split(",")
+    assistant = assistant_dir(args.assistant, engine.target.model, args.target is None) if (
+        "assisted-ar" in methods) else None
+    report = run_bench(engine, args.suites.split(","), methods, args.limit, args.max_new_tokens,
+                       str(assistant) if assistant else None)
     write_report(report, Path(args.out))
     print(markdown(report))
     print(f"results: {Path(args.out) / 'results.json'}", file=sys.stderr)
@@ -242,8 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="every method on the same prompts: speed, tau, greedy agreement")
     add_model_args(p)
     p.add_argument("--suites", default="code,chat,agent")
-    p.add_argument("--methods", default="ar-hf,ar,dflash-4,dflash-8,dflash-16,prompt-lookup")
-    p.add_argument("--assistant", help="small AR draft model folder, for the assisted-ar method")
+    p.add_argument("--methods", default="ar-hf,ar,dflash-4,dflash-8,dflash-16,prompt-lookup,assisted-ar")
+    p.add_argument("--assistant", help="AR draft model for assisted-ar: a transformers folder or a stored "
+                   "assistant (default: the shipped one, for the default target)")
     p.add_argument("--limit", type=int, help="prompts per suite (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default="bench-out")

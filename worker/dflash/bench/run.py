@@ -73,12 +73,14 @@ class Runner:
             from transformers import AutoModelForCausalLM
 
             self.assistant = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=engine.target.dtype).eval()
+            self.assistant.to(engine.target.device)
 
     def check(self, method: str) -> None:
         if block_size_of(method) is not None or method in ("ar-hf", "prompt-lookup"):
             return
         if method == "assisted-ar" and self.assistant is None:
-            raise SystemExit("dflash bench: assisted-ar needs --assistant DIR (a small AR draft model)")
+            raise SystemExit("dflash bench: assisted-ar needs --assistant DIR (a small AR draft model; "
+                             "one ships for the default target only)")
         if method != "assisted-ar":
             raise SystemExit(f"dflash bench: unknown method '{method}'")
 

@@ -11,13 +11,13 @@ dflash.queue_failed.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 
 import psycopg
 from psycopg import sql
+from psycopg.types.json import Jsonb
 
 from dflash.errors import DFlashError
 
@@ -33,12 +33,7 @@ ORDER BY q.id
 FOR UPDATE OF q SKIP LOCKED
 LIMIT 1"""
 
-INSERT_GENERATION = """
-INSERT INTO dflash.generations (mode, status, prompt, output, target, drafter, params, block_size, steps,
-    new_tokens, tau, acceptance_rate, accepted_per_position, prefill_ms, decode_ms, queue_ms, total_ms,
-    tokens_per_s, calling_role, source_table)
-VALUES ('trigger', 'ok', %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s::regclass)
-RETURNING id"""
+RECORD = "SELECT dflash.record_generation('trigger', %s, %s, %s, %s, %s, %s::regclass, %s, %s::vector, %s)"
 
 GENERATE_OPTIONS = ("max_new_tokens", "temperature", "block_size", "top_p", "top_k", "seed", "chat")
 
@@ -126,22 +121,11 @@ class QueueConsumer:
         if updated != 1:
             raise DFlashError("row_gone", f"row {key_col} = {key} of {tbl} no longer exists")
         shown = {k: v for k, v in params.items() if k != "prompt"}
-        gen_id = conn.execute(
-            INSERT_GENERATION,
-            (
-                prompt, res["text"], res["target"], res["drafter"], json.dumps(shown), res["block_size"],
-                res["num_steps"], res["new_tokens"], res["tau"], res["acceptance_rate"],
-                res["accepted_per_position"], 1000 * res["prefill_s"], 1000 * res["decode_s"], waited_ms, total_ms,
-                res["tokens_per_s"], role, tbl,
-            ),
-        ).fetchone()[0]
+        vec = model = None
         if self.worker.embedder is not None and res["text"].strip():
             emb = self.worker.submit("embed", {"texts": [f"{prompt}\n\n{res['text']}"]})
-            conn.execute(
-                "INSERT INTO dflash.memory (generation_id, prompt, output, embedding, embedder) "
-                "VALUES (%s, %s, %s, %s::vector, %s)",
-                (gen_id, prompt, res["text"], vector_text(emb["embeddings"][0]), emb["model"]),
-            )
+            vec, model = vector_text(emb["embeddings"][0]), emb["model"]
+        conn.execute(RECORD, (prompt, Jsonb(shown), Jsonb(res), waited_ms, total_ms, tbl, role, vec, model))
 
     def _retry_or_give_up(self, conn, qid: int, attempts: int, error: str) -> None:
         if attempts >= self.max_attempts:
