@@ -57,3 +57,20 @@ def test_assisted_ar_with_a_stored_assistant(tiny_text_engine, tmp_path, monkeyp
     report = run_bench(tiny_text_engine, ["chat"], ["ar-hf", "assisted-ar"], 2, 6, str(hf))
     rows = {r["method"]: r for r in report["results"]}
     assert rows["assisted-ar"]["greedy_mismatches"] == 0 and rows["assisted-ar"]["new_tokens"] > 0
+
+
+def test_readme_section_is_generated_from_results(tiny_text_engine, tmp_path):
+    from dflash.bench.readme import END, START, update
+
+    report = run_bench(tiny_text_engine, ["chat"], ["ar", "dflash-4"], 1, 4)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{START}\nold numbers\n{END}\n\nafter\n")
+    update(readme, report, "dflash bench --limit 1")
+    text = readme.read_text()
+    assert "old numbers" not in text and "`dflash bench --limit 1`" in text and text.endswith("after\n")
+    assert "| chat | dflash-4 | 1 |" in text
+    update(readme, report, "dflash bench --limit 1")  # idempotent
+    assert readme.read_text() == text
+    readme.write_text("no markers")
+    with pytest.raises(SystemExit, match="markers"):
+        update(readme, report, "x")

@@ -123,6 +123,7 @@ def cmd_bench(args) -> int:
         "assisted-ar" in methods) else None
     report = run_bench(engine, args.suites.split(","), methods, args.limit, args.max_new_tokens,
                        str(assistant) if assistant else None)
+    report["command"] = "dflash " + " ".join(sys.argv[1:])
     write_report(report, Path(args.out))
     print(markdown(report))
     print(f"results: {Path(args.out) / 'results.json'}", file=sys.stderr)
