@@ -10,13 +10,7 @@ from pathlib import Path
 
 def median_ms(fn, n: int) -> float:
     """Median wall time of `fn()` over n calls, after one warm-up call, in milliseconds."""
-    fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
+    return interleaved_medians_ms({"fn": fn}, n)["fn"]
 
 
 def write_json_report(report: dict, out: str | Path, name: str) -> None:

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from dflash.errors import DFlashError
 from dflash.train.objective import cosine_lr
-from dflash.train.trainer import autocast, plot_losses
+from dflash.train.trainer import autocast, plot_losses, schedule_step
 
 WEIGHTS = "assistant.safetensors"
 
@@ -117,7 +117,7 @@ def train_assistant(model, records: list[dict], out: Path, *, lr: float = 6e-4, 
             ids[row, : len(x)], mask[row, : len(x)] = x, 1
             labels[row, starts[j] : len(x)] = x[starts[j]:]
         elapsed = time.monotonic() - start
-        progress = max(state["step"], int(total * elapsed / time_budget_s)) if time_budget_s else state["step"]
+        progress = schedule_step(state["step"], total, elapsed, time_budget_s)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(progress, total, lr, max(1, total // 25))
         with autocast(dev):

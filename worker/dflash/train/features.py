@@ -49,6 +49,7 @@ class FeatureCache:
         done = {s["prompt"] for s in self.sequences}
         todo = [r for r in records if r["prompt"] not in done and len(r["response_ids"]) >= min_response]
         todo.sort(key=lambda r: len(r["prompt_ids"]) + len(r["response_ids"]))  # little padding per batch
+        tokens = [(r["prompt_ids"] + r["response_ids"])[: target.context_length] for r in todo]
         with self.bin_file.open("r+b" if self.bin_file.exists() else "wb") as f, self.seq_file.open("a") as idx, \
                 tqdm(total=len(todo), desc="target features", unit="seq") as bar:
             f.seek(self.rows * width * 2)  # drop rows of a batch whose index lines were never written
@@ -57,41 +58,32 @@ class FeatureCache:
             while i < len(todo):
                 if deadline is not None and time.monotonic() > deadline:
                     break
-                batch = [todo[i]]
-                longest = self._ids(todo[i], target)
-                while i + len(batch) < len(todo):
-                    nxt = len(self._ids(todo[i + len(batch)], target))
-                    if nxt * (len(batch) + 1) > batch_tokens:
-                        break
-                    batch.append(todo[i + len(batch)])
-                    longest = self._ids(batch[-1], target)
-                width_t = len(longest)
-                ids = [self._ids(r, target) for r in batch]
-                input_ids = torch.zeros(len(batch), width_t, dtype=torch.long)
-                mask = torch.zeros(len(batch), width_t, dtype=torch.long)
+                # Sorted by length, so the batch's last sequence is its longest.
+                end = i + 1
+                while end < len(todo) and len(tokens[end]) * (end + 1 - i) <= batch_tokens:
+                    end += 1
+                batch, ids = todo[i:end], tokens[i:end]
+                input_ids = torch.zeros(len(batch), len(ids[-1]), dtype=torch.long)
+                mask = torch.zeros_like(input_ids)
                 for row, x in enumerate(ids):
                     input_ids[row, : len(x)] = torch.tensor(x)
                     mask[row, : len(x)] = 1
                 out = target.model(input_ids=input_ids.to(target.device), attention_mask=mask.to(target.device),
                                    output_hidden_states=True, logits_to_keep=1, use_cache=False)
                 feats = torch.cat([out.hidden_states[l + 1] for l in layer_ids], dim=-1).to(torch.bfloat16).cpu()
-                rows = self.rows
-                for row, (rec, x) in enumerate(zip(batch, ids)):
+                for row, x in enumerate(ids):
                     f.write(feats[row, : len(x)].view(torch.int16).numpy().tobytes())
                 f.flush()
+                rows = self.rows
                 for rec, x in zip(batch, ids):
                     seq = {"prompt": rec["prompt"], "ids": x, "offset": rows, "response_start": len(rec["prompt_ids"])}
                     idx.write(json.dumps(seq) + "\n")
                     self.sequences.append(seq)
                     rows += len(x)
                 idx.flush()
-                i += len(batch)
+                i = end
                 bar.update(len(batch))
         self._mm = None
-
-    @staticmethod
-    def _ids(rec: dict, target) -> list[int]:
-        return (rec["prompt_ids"] + rec["response_ids"])[: target.context_length]
 
     def features(self, seq: dict, dtype=torch.float32) -> torch.Tensor:
         """[T, width] features of one sequence (memory-mapped read; stored as bf16)."""

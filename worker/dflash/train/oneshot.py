@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     from dflash.train.data import collect_prompts, load_records, read_prompt_file, regenerate
     from dflash.train.features import FeatureCache
     from dflash.train.pipeline import drafter_config_for, init_from_target
-    from dflash.engine.drafter import init_random_drafter, save_drafter
+    from dflash.engine.drafter import init_random_drafter
     from dflash.train.trainer import TrainConfig, train
 
     t0 = time.monotonic()
@@ -123,8 +123,7 @@ def main(argv=None) -> int:
                       pack=args.pack, time_budget_s=train_s, schedule_by_time=True,
                       checkpoint_minutes=1.0, reduced_vocab=False, snapshot_dir=str(export / "drafter"),
                       seed=args.seed)
-    state = train(drafter, target, cache, out / "train", cfg)
-    save_drafter(drafter, export / "drafter")
+    state = train(drafter, target, cache, out / "train", cfg)  # its last checkpoint also writes the snapshot
     _log(f"drafter: {state['step']} steps, {state.get('sequences', 0)} sequences, {state['elapsed_s']:.0f} s")
     if child is not None:
         child.wait(timeout=max(60.0, train_s))
@@ -134,7 +133,7 @@ def main(argv=None) -> int:
         "response_tokens": sum(len(r["response_ids"]) for r in records), "drafter_steps": state["step"],
         "drafter_sequences": state.get("sequences", 0), "train_minutes": args.train_min,
         "drafter_final_loss": state["losses"][-1][2] if state["losses"] else None,
-        "total_s": round(time.monotonic() - t0, 1), "args": {k: v for k, v in vars(args).items()},
+        "total_s": round(time.monotonic() - t0, 1), "args": dict(vars(args)),
     }
     (export / "summary.json").write_text(json.dumps(summary, indent=2))
     for name in ("losses.json", "loss.png"):

@@ -7,6 +7,7 @@ and borrowed. Features come from the on-disk cache, so the target never runs her
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -47,11 +48,11 @@ def vocab_subset(cache: FeatureCache, vocab_size: int) -> torch.Tensor:
     return seen.nonzero()[:, 0]
 
 
-def schedule_step(step: int, total: int, elapsed_s: float, cfg: TrainConfig) -> int:
-    """Where the LR schedule stands: by steps, or by the share of the time budget spent when
-    a run is bounded by time rather than epochs (whichever is further along)."""
-    if cfg.schedule_by_time and cfg.time_budget_s:
-        return max(step, int(total * elapsed_s / cfg.time_budget_s))
+def schedule_step(step: int, total: int, elapsed_s: float, time_budget_s: float | None) -> int:
+    """Where the LR schedule stands: by steps, or, for a run bounded by a time budget rather
+    than epochs, by the share of the budget spent (whichever is further along)."""
+    if time_budget_s:
+        return max(step, int(total * elapsed_s / time_budget_s))
     return step
 
 
@@ -59,8 +60,6 @@ def autocast(device: torch.device):
     """bf16 autocast on CUDA (fp32 master weights); plain fp32 on CPU."""
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
-    import contextlib
-
     return contextlib.nullcontext()
 
 
@@ -111,7 +110,8 @@ def train(drafter: DFlashDrafter, target, cache: FeatureCache, out: Path, cfg: T
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)  # fresh anchors every epoch
         order = torch.randperm(len(seqs), generator=gen)
         batch = order[i * cfg.seqs_per_step : (i + 1) * cfg.seqs_per_step].tolist()
-        lr = cosine_lr(schedule_step(step, total, time.monotonic() - start, cfg), total, cfg.lr,
+        by_time = cfg.time_budget_s if cfg.schedule_by_time else None
+        lr = cosine_lr(schedule_step(step, total, time.monotonic() - start, by_time), total, cfg.lr,
                        max(1, int(cfg.warmup_ratio * total)))
         for g in opt.param_groups:
             g["lr"] = lr
@@ -144,8 +144,8 @@ def train(drafter: DFlashDrafter, target, cache: FeatureCache, out: Path, cfg: T
         state["step"] += 1
         state["elapsed_s"] = time.monotonic() - start
         if n:
-            state["losses"].append((state["step"], state["elapsed_s"], loss_sum / len(batch)))
-            bar.set_postfix(loss=f"{loss_sum / len(batch):.3f}", lr=f"{lr:.1e}")
+            state["losses"].append((state["step"], state["elapsed_s"], loss_sum / n))
+            bar.set_postfix(loss=f"{loss_sum / n:.3f}", lr=f"{lr:.1e}")
         bar.update()
         if time.monotonic() - last_ckpt > cfg.checkpoint_minutes * 60:
             save_checkpoint()
