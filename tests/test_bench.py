@@ -26,7 +26,7 @@ def test_bench_all_methods(tiny_text_engine, tmp_path):
                     "speedup_vs_ar_hf", "greedy_mismatches"):
             assert key in r
         assert r["prompts"] == 2 and r["greedy_mismatches"] == 0  # lossless, and HF agrees
-        assert (r["tau"] is None) == (r["method"] in ("ar-hf", "ar", "prompt-lookup"))
+        assert (r["tau"] is None) == (r["method"] in ("ar-hf", "ar"))
     for f in ("report.md", "speedup.png", "tau_by_block_size.png", "acceptance_histogram.png"):
         assert (tmp_path / f).stat().st_size > 0
     for key in ("torch", "threads", "dtype", "cpu", "date"):
@@ -74,3 +74,47 @@ def test_readme_section_is_generated_from_results(tiny_text_engine, tmp_path):
     readme.write_text("no markers")
     with pytest.raises(SystemExit, match="markers"):
         update(readme, report, "x")
+
+
+def test_hf_speculative_methods_report_tau_from_the_target_calls(tiny_text_engine):
+    """prompt-lookup's steps are read from the target's forward calls: they commit exactly
+    the tokens it generated, each step at least one, and tau is their mean."""
+    report = run_bench(tiny_text_engine, ["code", "agent"], ["ar-hf", "prompt-lookup"], 2, 12)
+    for r in report["results"]:
+        if r["method"] != "prompt-lookup":
+            continue
+        hist = {int(k): v for k, v in r["acceptance_length_histogram"].items()}
+        assert sum(k * v for k, v in hist.items()) == r["new_tokens"] and min(hist) >= 1
+        assert r["tau"] == pytest.approx(r["new_tokens"] / sum(hist.values()))
+        assert 0 <= r["acceptance_rate"] <= 1 and r["greedy_mismatches"] == 0
+
+
+def test_verify_log_reads_commits_from_cache_lengths():
+    from dflash.bench.run import VerifyLog
+
+    log = VerifyLog.__new__(VerifyLog)
+    # prompt of 5; call 1 = prefill + 3 candidates, 2 kept (+1) -> cache 7 at call 2, which
+    # feeds 1 + 4 candidates and keeps 0 -> cache 8; call 3 feeds 1 + 2 and the output ends
+    # at 6 new tokens, so the last call committed 2.
+    log.calls = [(0, 8), (7, 5), (8, 3)]
+    assert log.steps(prompt_len=5, new_tokens=6) == ([2, 0, 1], 3 + 4 + 2)
+
+
+def test_journal_resumes_an_interrupted_run(tiny_text_engine, tmp_path, monkeypatch):
+    from dflash.bench.run import Runner
+
+    journal = tmp_path / "samples.jsonl"
+    full = run_bench(tiny_text_engine, ["chat"], ["ar", "dflash-4"], 3, 5, journal=journal)
+    lines = journal.read_text().splitlines()
+    assert len(lines) == 1 + 2 * 3
+    journal.write_text("\n".join(lines[:4]) + "\n" + lines[4][:10])  # stopped mid-write
+    calls = []
+    real = Runner.run
+    monkeypatch.setattr(Runner, "run", lambda self, m, ids: calls.append(m) or real(self, m, ids))
+    resumed = run_bench(tiny_text_engine, ["chat"], ["ar", "dflash-4"], 3, 5, journal=journal, resume=True)
+    assert calls == ["ar", "dflash-4"] + ["dflash-4"] * 3  # warm-ups, then only what was missing
+    for a, b in zip(full["results"], resumed["results"]):
+        assert (a["method"], a["new_tokens"], a["tau"], a["greedy_mismatches"]) == \
+               (b["method"], b["new_tokens"], b["tau"], b["greedy_mismatches"])
+    with pytest.raises(SystemExit, match="max_new_tokens"):
+        run_bench(tiny_text_engine, ["chat"], ["ar"], 3, 6, journal=journal, resume=True)

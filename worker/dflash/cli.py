@@ -122,7 +122,7 @@ def cmd_bench(args) -> int:
     assistant = assistant_dir(args.assistant, engine.target.model, args.target is None) if (
         "assisted-ar" in methods) else None
     report = run_bench(engine, args.suites.split(","), methods, args.limit, args.max_new_tokens,
-                       str(assistant) if assistant else None)
+                       str(assistant) if assistant else None, Path(args.out) / "samples.jsonl", args.resume)
     report["command"] = "dflash " + " ".join(sys.argv[1:])
     write_report(report, Path(args.out))
     print(markdown(report))
@@ -254,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="prompts per suite (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default="bench-out")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the generations journaled in OUT/samples.jsonl by an interrupted run with the same settings")
     p.set_defaults(func=cmd_bench)
 
     from dflash.serve.protocol import DEFAULT_MAX_FRAME, DEFAULT_SOCKET

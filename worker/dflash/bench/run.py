@@ -11,6 +11,15 @@ Honest timing: models load before timing, one warm-up generation per method runs
 all methods run in this process with the same thread count and dtype, and every time is
 the whole generation (prefill included). Greedy outputs are compared with `ar-hf`
 (or `ar` when `ar-hf` is not run); mismatches are counted, not hidden.
+
+tau for transformers' speculative methods comes from watching the target's forward calls
+(`VerifyLog`): each call verifies the candidates it is given, and the cache length at the
+next call says how many of them were kept. So `prompt-lookup` and `assisted-ar` report
+tau, acceptance and the histogram on the same definitions as the engine.
+
+A long run journals every generation to DIR/samples.jsonl as it goes; `--resume` reuses
+the generations of an interrupted run with the same settings (each one was timed whole, in
+a process that had warmed up the same way).
 """
 
 from __future__ import annotations
@@ -46,6 +55,9 @@ def load_suite(name: str, limit: int | None) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
+HF_SPECULATIVE = ("prompt-lookup", "assisted-ar")
+
+
 def block_size_of(method: str) -> int | None:
     if method == "ar":
         return 1
@@ -58,8 +70,37 @@ def block_size_of(method: str) -> int | None:
 class Sample:
     output_ids: list[int]
     wall_s: float
-    accepted: list[int] = field(default_factory=list)  # per step, for the engine's methods
+    accepted: list[int] = field(default_factory=list)  # per step, for speculative methods
     drafted: int = 0
+
+
+class VerifyLog:
+    """Records, for each forward call of a transformers model inside `generate`, the cache
+    length before the call and the number of input tokens. In speculative generate, call k
+    feeds the last committed token plus the candidates, so candidates = inputs - 1 (the
+    prompt's length on the first call), and the cache length at call k+1 says how far call
+    k got: it committed `start[k+1] - start[k]` tokens (the first call: `start[1] + 1 -
+    prompt length`; the last call: whatever is left of the output)."""
+
+    def __init__(self, model):
+        self.calls: list[tuple[int, int]] = []
+        self._handle = model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.calls.append((cache.get_seq_length() if cache is not None else 0, ids.shape[1]))
+
+    def close(self) -> None:
+        self._handle.remove()
+
+    def steps(self, prompt_len: int, new_tokens: int) -> tuple[list[int], int]:
+        """(accepted drafts per step, drafted tokens in all)."""
+        starts = [c[0] for c in self.calls]
+        done = [s + 1 - prompt_len for s in starts[1:]] + [new_tokens]  # committed after each call
+        commits = [b - a for a, b in zip([0] + done[:-1], done)]
+        drafted = sum(n - 1 for _, n in self.calls[1:]) + (self.calls[0][1] - prompt_len)
+        return [c - 1 for c in commits], drafted
 
 
 class Runner:
@@ -97,11 +138,21 @@ class Runner:
             kwargs["prompt_lookup_num_tokens"] = 10
         elif method == "assisted-ar":
             kwargs["assistant_model"] = self.assistant
-        with torch.inference_mode():
-            out = self.model.generate(torch.tensor([prompt_ids], device=self.engine.target.device),
-                                      max_new_tokens=self.max_new, do_sample=False, eos_token_id=self.eos,
-                                      pad_token_id=self.eos[0], **kwargs)
-        return Sample(out[0, len(prompt_ids):].tolist(), time.perf_counter() - t)
+        log = VerifyLog(self.model) if method in HF_SPECULATIVE else None
+        try:
+            with torch.inference_mode():
+                out = self.model.generate(torch.tensor([prompt_ids], device=self.engine.target.device),
+                                          max_new_tokens=self.max_new, do_sample=False, eos_token_id=self.eos,
+                                          pad_token_id=self.eos[0], **kwargs)
+            wall = time.perf_counter() - t
+        finally:
+            if log is not None:
+                log.close()
+        output = out[0, len(prompt_ids):].tolist()
+        if log is None:
+            return Sample(output, wall)
+        accepted, drafted = log.steps(len(prompt_ids), len(output))
+        return Sample(output, wall, accepted, drafted)
 
 
 def cpu_model() -> str:
@@ -118,8 +169,8 @@ def summarize(suite: str, method: str, samples: list[Sample], block: int | None)
     new = sum(len(s.output_ids) for s in samples)
     wall = sum(s.wall_s for s in samples)
     steps = [a for s in samples for a in s.accepted]
-    speculative = block is not None and block > 1
-    per_pos = [0] * max((block or 1) - 1, 0)
+    speculative = (block is not None and block > 1) or method in HF_SPECULATIVE
+    per_pos = [0] * (block - 1 if block else max(steps, default=0))
     for a in steps:
         for i in range(a):
             per_pos[i] += 1
@@ -138,11 +189,58 @@ def summarize(suite: str, method: str, samples: list[Sample], block: int | None)
     }
 
 
+class Journal:
+    """DIR/samples.jsonl: one line per generation, written as it finishes, so a run of hours
+    that stops half way can be resumed. The first line holds the settings; a resumed run
+    must match them, or its numbers would mix two experiments."""
+
+    def __init__(self, path: Path | None, settings: dict, resume: bool):
+        self.path, self.done = path, {}
+        if path is None:
+            return
+        if resume and path.is_file():
+            lines = path.read_text().splitlines()
+            old = json.loads(lines[0])["settings"] if lines else None
+            if old != settings:
+                diff = sorted(k for k in settings if (old or {}).get(k) != settings[k])
+                raise SystemExit(f"dflash bench: cannot resume {path}: its settings differ ({', '.join(diff)})")
+            for line in lines[1:]:
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:  # the line being written when the run stopped
+                    continue
+                self.done[(r["suite"], r["method"], r["index"])] = r
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"settings": settings}) + "\n")
+        self._file = path.open("a")
+
+    def get(self, suite: str, method: str, index: int, prompt_len: int) -> Sample | None:
+        r = self.done.get((suite, method, index))
+        if r is None or r["prompt_len"] != prompt_len:
+            return None
+        return Sample(r["output_ids"], r["wall_s"], r["accepted"], r["drafted"])
+
+    def add(self, suite: str, method: str, index: int, prompt_len: int, sample: Sample) -> None:
+        if self.path is not None:
+            rec = {"suite": suite, "method": method, "index": index, "prompt_len": prompt_len,
+                   "output_ids": sample.output_ids, "wall_s": sample.wall_s, "accepted": sample.accepted,
+                   "drafted": sample.drafted}
+            self._file.write(json.dumps(rec) + "\n")
+            self._file.flush()
+
+
 def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int | None, max_new: int,
-              assistant_dir: str | None = None) -> dict:
+              assistant_dir: str | None = None, journal: Path | None = None, resume: bool = False) -> dict:
+    from tqdm import tqdm
+
     runner = Runner(engine, max_new, assistant_dir)
     for m in methods:
         runner.check(m)
+    settings = {"target": engine.target.name, "drafter": engine.drafter_name, "assistant": assistant_dir,
+                "dtype": str(engine.target.dtype), "device": str(engine.target.device),
+                "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": max_new}
+    log = Journal(journal, settings, resume)
     warm = engine.prompt_ids(GenerationRequest(prompt="Warm up.", chat=True))
     for m in methods:
         runner.run(m, warm)
@@ -151,7 +249,13 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
         prompts = [engine.prompt_ids(GenerationRequest(prompt=p, chat=True)) for p in load_suite(suite, limit)]
         outputs = {}
         for method in methods:
-            samples = [runner.run(method, ids) for ids in prompts]
+            samples = []
+            for i, ids in enumerate(tqdm(prompts, desc=f"{suite} {method}", mininterval=10)):
+                sample = log.get(suite, method, i, len(ids))
+                if sample is None:
+                    sample = runner.run(method, ids)
+                    log.add(suite, method, i, len(ids), sample)
+                samples.append(sample)
             outputs[method] = [s.output_ids for s in samples]
             results.append(summarize(suite, method, samples, block_size_of(method)))
         reference = outputs.get("ar-hf") or outputs.get("ar")
@@ -229,7 +333,8 @@ def plot(report: dict, out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for s in suites:
-        pts = sorted((r["block_size"], r["tau"]) for r in res if r["suite"] == s and r["tau"] is not None)
+        pts = sorted((r["block_size"], r["tau"]) for r in res
+                     if r["suite"] == s and r["tau"] is not None and r["block_size"] is not None)
         if pts:
             ax.plot(*zip(*pts), marker="o", label=s)
     ax.set_xlabel("block size")
