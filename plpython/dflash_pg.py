@@ -82,7 +82,7 @@ def generation_params(plpy, fn, prompt, args):
 
 # --- recording ----------------------------------------------------------------------------
 
-_RECORD = "SELECT dflash.record_generation($1, $2, $3::jsonb, $4::jsonb, $5, $6, $7, NULL, $8::vector, $9) AS id"
+_RECORD = "SELECT dflash.record_generation($1, $2, $3::jsonb, $4::jsonb, $5, $6, $7) AS id"
 
 
 def _plan(plpy, name, query, types):
@@ -94,21 +94,13 @@ def _plan(plpy, name, query, types):
     return plans[name]
 
 
-def record(plpy, mode, params, result, total_ms, cfg, source_table=None):
-    """Write the generations row (and the memory row) in the caller's transaction."""
-    vec = model = None
-    if cfg.get("remember", "on") == "on" and result["text"].strip():
-        emb = call(plpy, "embed", {"texts": [memory_text(params["prompt"], result["text"])]}, cfg)
-        vec, model = vector_text(emb["embeddings"][0]), emb.get("model")
-    plan = _plan(plpy, "record", _RECORD, ["text", "text", "text", "text", "float8", "float8", "regclass", "text",
-                                           "text"])
+def record(plpy, mode, params, result, total_ms, source_table=None):
+    """Write the generations row (and the memory row, from the answer's `memory`) in the
+    caller's transaction."""
+    plan = _plan(plpy, "record", _RECORD, ["text", "text", "text", "text", "float8", "float8", "regclass"])
     shown = {k: v for k, v in params.items() if k != "prompt"}
     return plpy.execute(plan, [mode, params["prompt"], json.dumps(shown), json.dumps(result), result.get("queue_ms"),
-                               total_ms, source_table, vec, model])[0]["id"]
-
-
-def memory_text(prompt, output):
-    return f"{prompt}\n\n{output}"
+                               total_ms, source_table])[0]["id"]
 
 
 # --- what the SQL functions call -------------------------------------------------------------
@@ -120,9 +112,11 @@ def generate(plpy, fn, prompt, args, mode="sync"):
     params = generation_params(plpy, fn, prompt, args)
     cfg = settings(plpy)
     t = time.monotonic()
-    result = call(plpy, "generate", params, cfg)
+    # The worker embeds the answer for dflash.memory in the same call (`remember`).
+    result = call(plpy, "generate", dict(params, remember=cfg.get("remember", "on") == "on"), cfg)
     total_ms = (time.monotonic() - t) * 1000
-    result["generation_id"] = record(plpy, mode, params, result, total_ms, cfg)
+    result["generation_id"] = record(plpy, mode, params, result, total_ms)
+    result.pop("memory", None)  # stored; not part of what the caller sees
     return result
 
 

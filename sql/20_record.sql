@@ -1,12 +1,12 @@
 -- The one place a finished generation is written down: the generations row and, when the
--- caller has an embedding for it, its memory row. The SQL functions call it from PL/Python
--- (in the caller's transaction, as the caller); the worker's queue consumer calls it too.
+-- worker embedded it (generate with "remember": true puts `memory` {embedder, embedding}
+-- in its answer), its memory row. The SQL functions call it from PL/Python (in the
+-- caller's transaction, as the caller); the worker's queue consumer calls it too.
 -- `result` is the worker's generate answer as JSON (protocol v1); times are milliseconds.
 
 CREATE FUNCTION dflash.record_generation(
     mode text, prompt text, params jsonb, result jsonb, queue_ms float8, total_ms float8,
-    source_table regclass DEFAULT NULL, calling_role name DEFAULT NULL,
-    embedding vector(384) DEFAULT NULL, embedder text DEFAULT NULL)
+    source_table regclass DEFAULT NULL, calling_role name DEFAULT NULL)
 RETURNS bigint LANGUAGE sql AS $$
     WITH gen AS (
         INSERT INTO dflash.generations (mode, status, prompt, output, target, drafter, params, block_size,
@@ -22,7 +22,8 @@ RETURNS bigint LANGUAGE sql AS $$
         RETURNING id, output
     ), mem AS (
         INSERT INTO dflash.memory (generation_id, prompt, output, embedding, embedder)
-        SELECT id, prompt, output, embedding, embedder FROM gen WHERE embedding IS NOT NULL
+        SELECT id, prompt, output, (result->'memory'->>'embedding')::vector(384), result->'memory'->>'embedder'
+        FROM gen WHERE result ? 'memory'
     )
     SELECT id FROM gen
 $$;

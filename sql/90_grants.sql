@@ -23,8 +23,7 @@ GRANT EXECUTE ON FUNCTION dflash_generate(text, int, float8, int, float8, int, b
                           dflash.enable_generation(regclass, name, name, jsonb),
                           dflash.disable_generation(regclass)
     TO dflash_user;
-GRANT EXECUTE ON FUNCTION dflash.record_generation(text, text, jsonb, jsonb, float8, float8, regclass, name,
-                                                   vector, text)
+GRANT EXECUTE ON FUNCTION dflash.record_generation(text, text, jsonb, jsonb, float8, float8, regclass, name)
     TO dflash_user, dflash_worker;
 GRANT USAGE ON SCHEMA dflash TO dflash_user, dflash_worker;
 GRANT SELECT ON dflash.config, dflash.acceptance_daily TO dflash_user, dflash_worker;

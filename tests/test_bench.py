@@ -27,6 +27,10 @@ def test_bench_all_methods(tiny_text_engine, tmp_path):
             assert key in r
         assert r["prompts"] == 2 and r["greedy_mismatches"] == 0  # lossless, and HF agrees
         assert (r["tau"] is None) == (r["method"] in ("ar-hf", "ar"))
+    md = (tmp_path / "report.md").read_text()
+    assert "| code | dflash-4 | " in md and "Drafts kept, by position" in md
+    pos_rows = [line for line in md.splitlines() if line.startswith("| code | dflash-4 | ") and line.count("|") == 8]
+    assert len(pos_rows) == 1 and pos_rows[0].endswith("| - |")  # a block of 4 drafts 3 positions
     for f in ("report.md", "speedup.png", "tau_by_block_size.png", "acceptance_histogram.png"):
         assert (tmp_path / f).stat().st_size > 0
     for key in ("torch", "threads", "dtype", "cpu", "date"):

@@ -37,8 +37,13 @@ def test_generate_matches_the_engine_and_is_recorded(db, tiny_text_engine):
     assert row[:6] == ("sync", "ok", "Write a haiku about databases", text, "tiny", "tiny-drafter")
     assert row[6] == 8 and row[7] == len(local.output_ids) and row[8] == pytest.approx(local.stats.tau)
     assert row[9] == local.stats.num_steps and len(row[10]) == 7 and row[12] == "16"
-    mem = db.execute("SELECT output, vector_dims(embedding) FROM dflash.memory ORDER BY id DESC LIMIT 1").fetchone()
-    assert mem == (text, 384)
+    mem = db.execute("SELECT output, vector_dims(embedding), embedding::text, embedder FROM dflash.memory"
+                     " ORDER BY id DESC LIMIT 1").fetchone()
+    assert mem[:2] == (text, 384) and mem[3]
+    # the stored vector is the embedding of the question with its answer
+    expected = db.execute("SELECT dflash_embed(%s)::text", (f"Write a haiku about databases\n\n{text}",)).fetchone()[0]
+    assert [float(x) for x in mem[2][1:-1].split(",")] == pytest.approx(
+        [float(x) for x in expected[1:-1].split(",")], abs=1e-6)
 
 
 def test_generate_stats_block_and_batch(db):

@@ -103,6 +103,25 @@ def test_queue_end_to_end(db, queue_worker, tiny_text_engine):
     assert wait_until(lambda: scalar(db, "SELECT count(*) FROM notes WHERE answer IS NULL") == 0, timeout=20)
 
 
+def test_queue_with_an_embedder_writes_the_memory_row(db, sql_worker, worker_dsn):
+    """The consumer asks for the memory embedding in the generate call itself; the memory
+    row holds the embedding of prompt + answer, as dflash_embed computes it."""
+    from dflash.serve.queue import QueueConsumer
+
+    make_table(db, "notes_mem", '{"max_new_tokens": 6}')
+    db.execute("INSERT INTO notes_mem (prompt) VALUES ('Name a tree.')")
+    consumer = QueueConsumer(sql_worker, worker_dsn)
+    with psycopg.connect(worker_dsn) as conn:
+        while consumer.process_one(conn):
+            pass
+    answer = scalar(db, "SELECT answer FROM notes_mem")
+    assert answer is not None and consumer.done == 1
+    row = db.execute("SELECT m.output, m.embedder, m.embedding <-> dflash_embed(%s) FROM dflash.memory m"
+                     " JOIN dflash.generations g ON g.id = m.generation_id"
+                     " WHERE g.source_table = 'notes_mem'::regclass", (f"Name a tree.\n\n{answer}",)).fetchall()
+    assert len(row) == 1 and row[0][0] == answer and row[0][1] and row[0][2] < 1e-5
+
+
 def test_rolled_back_insert_queues_nothing(db):
     make_table(db, "notes_rb", '{}')
     before = scalar(db, "SELECT count(*) FROM dflash.queue")

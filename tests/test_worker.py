@@ -76,6 +76,31 @@ def test_generate_over_socket_equals_in_process(worker, tiny_text_engine):
         assert key in remote
 
 
+def test_generate_remember_embeds_prompt_and_answer(worker, embedder):
+    """`remember` returns the memory embedding of prompt + answer in the same call, as the
+    embed op would compute it; without it there is no `memory`."""
+    params = {"prompt": "Name a colour.", "chat": True, "max_new_tokens": 12}
+    plain = call(worker, "generate", params)
+    assert "memory" not in plain
+    r = call(worker, "generate", dict(params, remember=True))
+    assert r["text"] == plain["text"] and r["memory"]["embedder"] == embedder.name
+    expected = call(worker, "embed", {"texts": [f"Name a colour.\n\n{r['text']}"]})["embeddings"][0]
+    assert r["memory"]["embedding"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_remember_without_an_embedder_is_refused_before_decoding(tmp_path, tiny_text_engine):
+    w = Worker(tiny_text_engine, None, socket_path=str(tmp_path / "plain.sock"))
+    w.start()
+    try:
+        with pytest.raises(WorkerError) as err:
+            call(w, "generate", {"prompt": "x", "max_new_tokens": 8, "remember": True})
+        assert err.value.code == "no_embedder"
+        assert call(w, "status")["tokens_generated"] == 0  # nothing was decoded
+        assert "memory" not in call(w, "generate", {"prompt": "x", "max_new_tokens": 4, "remember": False})
+    finally:
+        w.shutdown(timeout=10)
+
+
 def test_generate_block_agrees_with_first_step(worker):
     prompt = {"prompt": "Write a haiku about databases", "chat": True}
     block = call(worker, "generate_block", {**prompt, "block_size": 8})
@@ -199,6 +224,7 @@ def test_full_queue_answers_busy(make_worker, slow_engine):
         ("generate", {"prompt": "x", "max_new_tokens": "ten"}, "bad_params"),
         ("generate", {"prompt": "x", "colour": "red"}, "bad_params"),
         ("generate", {"prompt": "x", "chat": 1}, "bad_params"),
+        ("generate", {"prompt": "x", "remember": "yes"}, "bad_params"),
         ("generate", {"prompt": "x", "block_size": 0}, "bad_block_size"),
         ("generate", {"prompt": ""}, "empty_prompt"),
         ("generate", {"input_ids": [10**9]}, "bad_input_ids"),

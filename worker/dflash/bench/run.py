@@ -305,7 +305,24 @@ def markdown(report: dict) -> str:
             f"{_fmt(r['speedup_vs_ar'], '.2f')} | {_fmt(r['speedup_vs_ar_hf'], '.2f')} | {_fmt(r['tau'], '.2f')} | "
             f"{_fmt(r['acceptance_rate'], '.3f')} | {r['greedy_mismatches']} |"
         )
-    return head + "\n".join(rows) + "\n"
+    return head + "\n".join(rows) + "\n" + position_table(report["results"])
+
+
+def position_table(results: list[dict], positions: int = 4) -> str:
+    """How often the draft at position i was kept, per speculative method: where the
+    drafts stop agreeing with the target."""
+    rows = [r for r in results if r.get("accepted_per_position") is not None]
+    if not rows:
+        return ""
+    cols = " | ".join(f"pos {i + 1}" for i in range(positions))
+    out = ["", "Drafts kept, by position (fraction of verification steps):", "",
+           f"| suite | method | steps | {cols} |", "|---|---|---|" + "---|" * positions]
+    for r in rows:
+        steps = sum(r["acceptance_length_histogram"].values())
+        per = r["accepted_per_position"]  # a block of B drafts B - 1 positions
+        kept = [per[i] / steps if i < len(per) and steps else None for i in range(positions)]
+        out.append(f"| {r['suite']} | {r['method']} | {steps} | " + " | ".join(_fmt(k, ".3f") for k in kept) + " |")
+    return "\n".join(out) + "\n"
 
 
 def plot(report: dict, out: Path) -> None:

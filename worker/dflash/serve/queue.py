@@ -33,13 +33,9 @@ ORDER BY q.id
 FOR UPDATE OF q SKIP LOCKED
 LIMIT 1"""
 
-RECORD = "SELECT dflash.record_generation('trigger', %s, %s, %s, %s, %s, %s::regclass, %s, %s::vector, %s)"
+RECORD = "SELECT dflash.record_generation('trigger', %s, %s, %s, %s, %s, %s::regclass, %s)"
 
 GENERATE_OPTIONS = ("max_new_tokens", "temperature", "block_size", "top_p", "top_k", "seed", "chat")
-
-
-def vector_text(values) -> str:
-    return "[" + ",".join(repr(float(x)) for x in values) + "]"
 
 
 class QueueConsumer:
@@ -110,7 +106,7 @@ class QueueConsumer:
         params.setdefault("chat", True)
         params["prompt"] = prompt
         t = time.monotonic()
-        res = self.worker.submit("generate", params)
+        res = self.worker.submit("generate", dict(params, remember=self.worker.embedder is not None))
         total_ms = (time.monotonic() - t) * 1000 + waited_ms
         updated = conn.execute(
             sql.SQL("UPDATE {} SET {} = %s WHERE {}::text = %s").format(
@@ -121,11 +117,7 @@ class QueueConsumer:
         if updated != 1:
             raise DFlashError("row_gone", f"row {key_col} = {key} of {tbl} no longer exists")
         shown = {k: v for k, v in params.items() if k != "prompt"}
-        vec = model = None
-        if self.worker.embedder is not None and res["text"].strip():
-            emb = self.worker.submit("embed", {"texts": [f"{prompt}\n\n{res['text']}"]})
-            vec, model = vector_text(emb["embeddings"][0]), emb["model"]
-        conn.execute(RECORD, (prompt, Jsonb(shown), Jsonb(res), waited_ms, total_ms, tbl, role, vec, model))
+        conn.execute(RECORD, (prompt, Jsonb(shown), Jsonb(res), waited_ms, total_ms, tbl, role))
 
     def _retry_or_give_up(self, conn, qid: int, attempts: int, error: str) -> None:
         if attempts >= self.max_attempts:

@@ -91,6 +91,11 @@ def generation_request(params: dict) -> GenerationRequest:
     return GenerationRequest(**params)
 
 
+def memory_text(prompt: str, output: str) -> str:
+    """What a remembered generation is embedded as: the question with its answer."""
+    return f"{prompt}\n\n{output}"
+
+
 class Worker:
     def __init__(
         self,
@@ -328,19 +333,31 @@ class Worker:
                     self.jobs.pop(job.id, None)
                 job.done.set()
 
+    def _embedder(self):
+        if self.embedder is None:
+            raise DFlashError("no_embedder", "this worker was started without an embedding model")
+        return self.embedder
+
     def _run(self, job: Job) -> dict:
         if job.op == "embed":
-            if self.embedder is None:
-                raise DFlashError("no_embedder", "this worker was started without an embedding model")
-            texts = job.params.get("texts")
-            vectors = self.embedder.embed(texts)
-            return {"model": self.embedder.name, "dim": self.embedder.dim, "embeddings": vectors}
+            embedder = self._embedder()
+            vectors = embedder.embed(job.params.get("texts"))
+            return {"model": embedder.name, "dim": embedder.dim, "embeddings": vectors}
         queue_ms = (time.monotonic() - job.queued_at) * 1000.0
         if job.op == "generate":
-            res = self.engine.generate(generation_request(job.params), on_step=lambda out: job.check())
+            params = dict(job.params)
+            remember = params.pop("remember", False)
+            if not isinstance(remember, bool):
+                raise DFlashError("bad_params", f"parameter 'remember' must be bool, got {type(remember).__name__}")
+            request = generation_request(params)
+            embedder = self._embedder() if remember else None  # refuse before decoding, not after
+            res = self.engine.generate(request, on_step=lambda out: job.check())
             self._account(res)
             out = res.to_dict()
             out.update(self.model_ids(), queue_ms=queue_ms)
+            if embedder is not None and out["text"].strip():
+                out["memory"] = {"embedder": embedder.name,
+                                 "embedding": embedder.embed([memory_text(params.get("prompt") or "", out["text"])])[0]}
             return out
         if job.op == "generate_block":
             return self._generate_block(job, queue_ms)

@@ -81,10 +81,8 @@ def main(argv=None) -> int:
         assistant_main(args)
         return 0
 
-    from dflash.train.data import collect_prompts, load_records, read_prompt_file, regenerate
-    from dflash.train.features import FeatureCache
-    from dflash.train.pipeline import drafter_config_for, init_from_target
-    from dflash.engine.drafter import init_random_drafter
+    from dflash.train.data import collect_prompts, read_prompt_file
+    from dflash.train.pipeline import build_data, build_features, drafter_config_for, new_drafter
     from dflash.train.trainer import TrainConfig, train
 
     t0 = time.monotonic()
@@ -94,19 +92,18 @@ def main(argv=None) -> int:
     target = TargetModel.from_pretrained(args.target, device=args.device)
     _log(f"target on {target.device} ({time.monotonic() - t0:.0f} s)")
     prompts = read_prompt_file(Path(args.prompt_file)) if args.prompt_file else collect_prompts()
-    data = out / "data.jsonl"
     t = time.monotonic()
-    regenerate(target, prompts, data, max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch,
-               deadline=t0 + args.data_min * 60)
-    records = load_records(data)
+    records = build_data(target, prompts, out / "data.jsonl", max_new_tokens=args.max_new_tokens,
+                         gen_batch=args.gen_batch, deadline=t0 + args.data_min * 60)
     _log(f"data: {len(records)} of {len(prompts)} prompts answered, "
          f"{sum(len(r['response_ids']) for r in records)} response tokens ({time.monotonic() - t:.0f} s)")
 
     dcfg = drafter_config_for(target, args.layers, args.block_size, args.target_layer_ids, args.mask_token_id)
-    cache = FeatureCache(Path(args.features_dir) if args.features_dir else out / "features")
     t = time.monotonic()
-    cache.build(target, records, dcfg.target_layer_ids, batch_tokens=16384 if target.device.type == "cuda" else 4096,
-                deadline=t0 + (args.data_min + args.features_min) * 60)
+    cache = build_features(target, records, dcfg.target_layer_ids,
+                           Path(args.features_dir) if args.features_dir else out / "features",
+                           batch_tokens=16384 if target.device.type == "cuda" else 4096,
+                           deadline=t0 + (args.data_min + args.features_min) * 60)
     _log(f"features: {len(cache.sequences)} sequences, {cache.rows} rows ({time.monotonic() - t:.0f} s)")
 
     train_s = args.train_min * 60
@@ -117,8 +114,7 @@ def main(argv=None) -> int:
                "--assistant-layers", str(args.assistant_layers), "--assistant-seqs", str(args.assistant_seqs),
                "--lr", str(args.lr), "--seed", str(args.seed)]
         child = subprocess.Popen(cmd, env=dict(os.environ, TQDM_MININTERVAL="20"))
-    drafter = init_random_drafter(dcfg, seed=args.seed)
-    init_from_target(drafter, target)
+    drafter = new_drafter(target, dcfg, "target", args.seed)
     cfg = TrainConfig(epochs=1000, lr=args.lr, num_anchors=args.num_anchors, seqs_per_step=args.seqs_per_step,
                       pack=args.pack, time_budget_s=train_s, schedule_by_time=True,
                       checkpoint_minutes=1.0, reduced_vocab=False, snapshot_dir=str(export / "drafter"),

@@ -58,19 +58,37 @@ def init_from_target(drafter: DFlashDrafter, target: TargetModel) -> None:
                     p.copy_(src[name])
 
 
+def build_data(target: TargetModel, prompts: list[str], data: Path, *, max_new_tokens: int, gen_batch: int,
+               deadline: float | None = None) -> list[dict]:
+    """Stage 1: the target's own greedy answers (resumes; stops at `deadline`)."""
+    regenerate(target, prompts, data, max_new_tokens=max_new_tokens, batch_size=gen_batch, deadline=deadline)
+    return load_records(data)
+
+
+def build_features(target: TargetModel, records: list[dict], layer_ids: list[int], where: Path, *,
+                   batch_tokens: int = 4096, deadline: float | None = None) -> FeatureCache:
+    """Stage 2: the target-layer features the drafter is conditioned on (resumes)."""
+    cache = FeatureCache(where)
+    cache.build(target, records, layer_ids, batch_tokens=batch_tokens, deadline=deadline)
+    return cache
+
+
+def new_drafter(target: TargetModel, dcfg: DrafterConfig, init: str, seed: int) -> DFlashDrafter:
+    """Stage 3: the untrained drafter, random or with target layers copied in."""
+    drafter = init_random_drafter(dcfg, seed=seed)
+    if init == "target":
+        init_from_target(drafter, target)
+    return drafter
+
+
 def run(target_dir: Path, out: Path, *, prompts: int | None, max_new_tokens: int, gen_batch: int, layers: int,
         block_size: int, layer_ids: list[int] | None, mask_token_id: int, init: str, cfg: TrainConfig,
         device: str = "cpu", prompt_file: Path | None = None) -> Path:
     out = Path(out)
     target = TargetModel.from_pretrained(target_dir, device=device)
-    data = out / "data.jsonl"
     todo = read_prompt_file(prompt_file)[:prompts] if prompt_file else collect_prompts(prompts)
-    regenerate(target, todo, data, max_new_tokens=max_new_tokens, batch_size=gen_batch)
+    records = build_data(target, todo, out / "data.jsonl", max_new_tokens=max_new_tokens, gen_batch=gen_batch)
     dcfg = drafter_config_for(target, layers, block_size, layer_ids, mask_token_id)
-    cache = FeatureCache(out / "features")
-    cache.build(target, load_records(data), dcfg.target_layer_ids)
-    drafter = init_random_drafter(dcfg, seed=cfg.seed)
-    if init == "target":
-        init_from_target(drafter, target)
-    train(drafter, target, cache, out / "train", cfg)
+    cache = build_features(target, records, dcfg.target_layer_ids, out / "features")
+    train(new_drafter(target, dcfg, init, cfg.seed), target, cache, out / "train", cfg)
     return out / "train" / "drafter"
