@@ -118,6 +118,10 @@ def test_journal_resumes_an_interrupted_run(tiny_text_engine, tmp_path, monkeypa
     resumed = run_bench(tiny_text_engine, ["chat"], ["ar", "dflash-4"], 3, 5, journal=journal, resume=True)
     # warm-ups, then only what was missing: prompt 1's dflash-4 (cut mid-line) and prompt 2
     assert calls == ["ar", "dflash-4"] + ["dflash-4", "ar", "dflash-4"]
+    # the cut line is gone, and every generation is in the journal once, readable
+    records = [json.loads(line) for line in journal.read_text().splitlines()[1:]]
+    assert sorted((r["method"], r["index"]) for r in records) == sorted(
+        (m, i) for m in ("ar", "dflash-4") for i in range(3))
     for a, b in zip(full["results"], resumed["results"]):
         assert (a["method"], a["new_tokens"], a["tau"], a["greedy_mismatches"]) == \
                (b["method"], b["new_tokens"], b["tau"], b["greedy_mismatches"])

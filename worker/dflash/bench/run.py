@@ -30,7 +30,7 @@ import json
 import platform
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -211,24 +211,27 @@ class Journal:
                 except json.JSONDecodeError:  # the line being written when the run stopped
                     continue
                 self.done[(r["suite"], r["method"], r["index"])] = r
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"settings": settings}) + "\n")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Rewritten whole (header + the complete lines), so that a line cut mid-write cannot
+        # swallow the next record appended after it.
+        path.write_text("".join(json.dumps(r) + "\n" for r in [{"settings": settings}, *self.done.values()]))
         self._file = path.open("a")
 
     def get(self, suite: str, method: str, index: int, prompt_len: int) -> Sample | None:
         r = self.done.get((suite, method, index))
         if r is None or r["prompt_len"] != prompt_len:
             return None
-        return Sample(r["output_ids"], r["wall_s"], r["accepted"], r["drafted"])
+        return Sample(**{f.name: r[f.name] for f in fields(Sample)})
 
     def add(self, suite: str, method: str, index: int, prompt_len: int, sample: Sample) -> None:
         if self.path is not None:
-            rec = {"suite": suite, "method": method, "index": index, "prompt_len": prompt_len,
-                   "output_ids": sample.output_ids, "wall_s": sample.wall_s, "accepted": sample.accepted,
-                   "drafted": sample.drafted}
+            rec = {"suite": suite, "method": method, "index": index, "prompt_len": prompt_len, **asdict(sample)}
             self._file.write(json.dumps(rec) + "\n")
             self._file.flush()
+
+    def close(self) -> None:
+        if self.path is not None:
+            self._file.close()
 
 
 def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int | None, max_new: int,
@@ -270,6 +273,7 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
             r["greedy_mismatches"] = (
                 sum(a != b for a, b in zip(outputs[r["method"]], reference)) if reference is not None else None
             )
+    log.close()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
