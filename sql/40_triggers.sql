@@ -2,30 +2,160 @@
 -- inserting transaction and NOTIFYs; the worker (dflash serve --database ...) fills the
 -- output column later, exactly once. {"mode": "sync"} fills it in a BEFORE INSERT trigger
 -- within the inserting statement instead (small tables only: the insert waits).
+--
+-- Nothing here runs a user's code with rights the user does not have:
+--   * the triggers run as the inserting role (SECURITY INVOKER): whatever the table's
+--     types, casts and defaults do, they do it with that role's rights;
+--   * the worker never touches a user's table itself: it calls the table's writer, a
+--     function owned by the table's owner (SECURITY DEFINER as that owner), so the owner's
+--     triggers run as the owner. dflash_worker has no rights on users' tables at all;
+--   * the only functions that run as the superuser (dflash._make_writer, the drop
+--     handler) take an OID, read the catalogs and run fixed DDL: no user code.
 
+-- A key's text form must not depend on the session that wrote it: the trigger and the
+-- writer both use these settings (the writer converts the text back to the key's type).
+-- TG_ARGV: the generation target's OID (a partition's rows are queued for their
+-- partitioned parent), the prompt column, the key column.
 CREATE FUNCTION dflash._enqueue() RETURNS trigger
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
--- SECURITY DEFINER so inserting users need no rights on dflash.queue.
--- TG_ARGV: prompt column, key column, options (jsonb text).
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET datestyle = 'ISO, YMD' SET intervalstyle = 'postgres' SET timezone = 'UTC' SET extra_float_digits = 1
+SET bytea_output = 'hex'
+AS $$
 DECLARE
-    r jsonb := to_jsonb(NEW);
+    key_text text;
+    prompt_text text;
 BEGIN
-    IF r ->> TG_ARGV[0] IS NULL THEN
+    IF NOT pg_has_role('dflash_user', 'USAGE') THEN
+        RAISE EXCEPTION 'dflash: inserting into % generates text, which only members of dflash_user may do',
+            TG_RELID::regclass USING ERRCODE = '42501', HINT = 'GRANT dflash_user TO ' || quote_ident(current_user::text);
+    END IF;
+    EXECUTE format('SELECT ($1).%I::text, ($1).%I::text', TG_ARGV[2], TG_ARGV[1])
+        INTO key_text, prompt_text USING NEW;
+    IF prompt_text IS NULL THEN
         RETURN NULL;  -- nothing to generate from
     END IF;
-    INSERT INTO dflash.queue (tbl, key_value, prompt, options, calling_role)
-    VALUES (TG_RELID::regclass, r ->> TG_ARGV[1], r ->> TG_ARGV[0], TG_ARGV[2]::jsonb, session_user);
-    PERFORM pg_notify('dflash_queue', TG_RELID::regclass::text);
+    INSERT INTO dflash.queue (tbl, key_value, prompt) VALUES (TG_ARGV[0]::oid, key_text, prompt_text);
+    PERFORM pg_notify('dflash_queue', TG_ARGV[0]);
     RETURN NULL;
 END
 $$;
 
 CREATE FUNCTION dflash._generate_row() RETURNS trigger
-LANGUAGE plpython3u VOLATILE AS $$
+LANGUAGE plpython3u VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 @BRIDGE@
 return dflash_pg.trigger_sync(plpy, TD)
 $$;
 
+-- The table's single primary-key column: its name, its type as SQL writes it without a
+-- length (typmod -1: bpchar, where NULL would give character(1)), and the schema and name
+-- of the equality operator of its btree index. No row: no key, or a key of several columns.
+CREATE FUNCTION dflash._primary_key(tbl regclass)
+RETURNS TABLE (attname name, type text, oprschema name, oprname name)
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp
+BEGIN ATOMIC
+    SELECT a.attname, format_type(a.atttypid, -1), opn.nspname, o.oprname
+    FROM pg_index i
+    JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+    JOIN pg_opclass oc ON oc.oid = i.indclass[0]
+    JOIN pg_amop ao ON ao.amopfamily = oc.opcfamily AND ao.amopstrategy = 3
+                   AND ao.amoplefttype = oc.opcintype AND ao.amoprighttype = oc.opcintype
+                   AND ao.amopmethod = (SELECT am.oid FROM pg_am am WHERE am.amname = 'btree')
+    JOIN pg_operator o ON o.oid = ao.amopopr
+    JOIN pg_namespace opn ON opn.oid = o.oprnamespace
+    WHERE i.indrelid = tbl AND i.indisprimary AND i.indnatts = 1;
+END;
+
+-- The writer of one table: dflash.write_<table oid>(key text, output text, prompt text) sets the output
+-- column of the row with that key, if its prompt is still that prompt, and returns how many
+-- rows it set (0 or 1). Owned by the table's owner and run as them; only dflash_worker
+-- may call it. If its owner makes it run as the caller, it refuses before touching the table.
+CREATE FUNCTION dflash._writer_name(tbl regclass) RETURNS name
+LANGUAGE sql IMMUTABLE PARALLEL SAFE SET search_path = pg_catalog, pg_temp
+BEGIN ATOMIC
+    SELECT ('write_' || tbl::oid::text)::name;
+END;
+
+CREATE FUNCTION dflash._make_writer(tbl regclass) RETURNS void
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    t record;
+    k record;
+    fn name := dflash._writer_name(tbl);
+    body text;
+BEGIN
+    SELECT g.prompt_column, g.output_column, c.relowner, n.nspname, c.relname INTO t
+    FROM dflash.generation_targets g
+    JOIN pg_class c ON c.oid = g.tbl
+    JOIN pg_namespace n ON n.oid = c.relnamespace
+    WHERE g.tbl = _make_writer.tbl AND g.mode = 'async';
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'dflash: % has no queued generation to write for', tbl USING ERRCODE = '55000';
+    END IF;
+    SELECT * INTO k FROM dflash._primary_key(tbl);
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'dflash: % needs a single-column primary key with a btree index', tbl USING ERRCODE = '42P10';
+    END IF;
+    -- Parameters are positional ($1 key, $2 output, $3 prompt) and columns win over the
+    -- one variable, whatever the table's columns are called.
+    body := format($body$
+#variable_conflict use_column
+DECLARE
+    dflash_rows int;
+BEGIN
+    IF (current_user OPERATOR(pg_catalog.=) (SELECT pg_catalog.pg_get_userbyid(c.relowner) FROM pg_catalog.pg_class c
+                                              WHERE c.oid OPERATOR(pg_catalog.=) %s::pg_catalog.oid)) IS NOT TRUE THEN
+        RAISE EXCEPTION USING ERRCODE = '42501', MESSAGE = %L;
+    END IF;
+    UPDATE %I.%I SET %I = $2 WHERE %I OPERATOR(%I.%s) $1::%s AND %I OPERATOR(pg_catalog.=) $3;
+    GET DIAGNOSTICS dflash_rows = ROW_COUNT;
+    RETURN dflash_rows;
+END
+$body$,
+        tbl::oid,
+        format('dflash: the writer of %s.%s does not run as the table''s owner; run dflash.enable_generation again',
+               quote_ident(t.nspname), quote_ident(t.relname)),
+        t.nspname, t.relname, t.output_column, k.attname, k.oprschema, k.oprname, k.type, t.prompt_column);
+    EXECUTE format('CREATE OR REPLACE FUNCTION dflash.%I(text, text, text) RETURNS integer '
+                   'LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp '
+                   'SET datestyle = ''ISO, YMD'' SET intervalstyle = ''postgres'' SET timezone = ''UTC'' '
+                   'SET extra_float_digits = 1 SET bytea_output = ''hex'' AS %L', fn, body);
+    EXECUTE format('ALTER FUNCTION dflash.%I(text, text, text) OWNER TO %I', fn, pg_get_userbyid(t.relowner));
+    EXECUTE format('REVOKE ALL ON FUNCTION dflash.%I(text, text, text) FROM PUBLIC', fn);
+    EXECUTE format('GRANT EXECUTE ON FUNCTION dflash.%I(text, text, text) TO dflash_worker', fn);
+END
+$$;
+
+-- The table's catalog row, after checking that the caller may act as its owner.
+CREATE FUNCTION dflash._owned_table(fn text, tbl regclass) RETURNS pg_class
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    rel pg_class;
+BEGIN
+    SELECT c.* INTO rel FROM pg_class c WHERE c.oid = tbl;
+    IF rel.oid IS NULL THEN
+        RAISE EXCEPTION '%: table % does not exist', fn, tbl::oid USING ERRCODE = '42P01';
+    END IF;
+    IF rel.relkind NOT IN ('r', 'p') THEN
+        RAISE EXCEPTION '%: % is not a table', fn, tbl USING ERRCODE = '42809';
+    END IF;
+    IF NOT pg_has_role(rel.relowner, 'USAGE') THEN
+        RAISE EXCEPTION '%: must be the owner of table %', fn, tbl USING ERRCODE = '42501';
+    END IF;
+    RETURN rel;
+END
+$$;
+
+CREATE FUNCTION dflash._drop_trigger(tbl regclass) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF EXISTS (SELECT FROM pg_trigger WHERE tgrelid = tbl AND tgname = 'dflash_generate' AND NOT tgisinternal) THEN
+        EXECUTE format('DROP TRIGGER dflash_generate ON %s', tbl);
+    END IF;
+END
+$$;
+
+-- Runs as the caller, who must own the table.
 CREATE FUNCTION dflash.enable_generation(
     tbl regclass, prompt_column name, output_column name, options jsonb DEFAULT '{}'
 ) RETURNS void
@@ -33,6 +163,7 @@ LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     mode text := coalesce(options ->> 'mode', 'async');
     gen_options jsonb := options - 'mode';
+    rel pg_class;
     key_col name;
     col name;
     bad text;
@@ -40,54 +171,70 @@ BEGIN
     IF tbl IS NULL OR prompt_column IS NULL OR output_column IS NULL OR options IS NULL THEN
         RAISE EXCEPTION 'dflash.enable_generation: arguments must not be NULL' USING ERRCODE = '22004';
     END IF;
+    IF jsonb_typeof(options) <> 'object' THEN
+        RAISE EXCEPTION 'dflash.enable_generation: options must be a JSON object' USING ERRCODE = '22023';
+    END IF;
     IF mode NOT IN ('async', 'sync') THEN
         RAISE EXCEPTION 'dflash.enable_generation: mode must be "async" or "sync", got "%"', mode
             USING ERRCODE = '22023';
     END IF;
-    SELECT string_agg(k, ', ') INTO bad FROM jsonb_object_keys(gen_options) k
-    WHERE k NOT IN ('max_new_tokens', 'temperature', 'block_size', 'top_p', 'top_k', 'seed', 'chat');
+    SELECT string_agg(key, ', ') INTO bad FROM jsonb_each(gen_options)
+    WHERE key NOT IN ('max_new_tokens', 'temperature', 'block_size', 'top_p', 'top_k', 'seed', 'chat');
     IF bad IS NOT NULL THEN
         RAISE EXCEPTION 'dflash.enable_generation: unknown options: %', bad USING ERRCODE = '22023',
             HINT = 'options: mode, max_new_tokens, temperature, block_size, top_p, top_k, seed, chat';
     END IF;
+    SELECT string_agg(key, ', ') INTO bad FROM jsonb_each(gen_options)
+    WHERE jsonb_typeof(value) <> CASE key WHEN 'chat' THEN 'boolean' ELSE 'number' END
+      AND NOT (key IN ('block_size', 'seed') AND jsonb_typeof(value) = 'null');
+    IF bad IS NOT NULL THEN
+        RAISE EXCEPTION 'dflash.enable_generation: options of the wrong JSON type: %', bad USING ERRCODE = '22023',
+            HINT = 'chat is a boolean, the others are numbers';
+    END IF;
+    rel := dflash._owned_table('dflash.enable_generation', tbl);
+    IF rel.relpersistence = 't' AND mode = 'async' THEN
+        RAISE EXCEPTION 'dflash.enable_generation: % is a temporary table, which the worker cannot see', tbl
+            USING ERRCODE = '0A000', HINT = 'use {"mode": "sync"} for a temporary table';
+    END IF;
     FOREACH col IN ARRAY ARRAY[prompt_column, output_column] LOOP
-        PERFORM 1 FROM pg_attribute
+        PERFORM FROM pg_attribute
         WHERE attrelid = tbl AND attname = col AND attnum > 0 AND NOT attisdropped
           AND atttypid IN ('text'::regtype, 'varchar'::regtype);
         IF NOT FOUND THEN
             RAISE EXCEPTION 'dflash.enable_generation: % has no text column "%"', tbl, col USING ERRCODE = '42703';
         END IF;
     END LOOP;
-    SELECT a.attname INTO key_col
-    FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
-    WHERE i.indrelid = tbl AND i.indisprimary AND i.indnatts = 1;
+    IF prompt_column = output_column THEN
+        RAISE EXCEPTION 'dflash.enable_generation: the prompt and output columns must differ' USING ERRCODE = '22023';
+    END IF;
+    SELECT k.attname INTO key_col FROM dflash._primary_key(tbl) k;
     IF key_col IS NULL THEN
         RAISE EXCEPTION 'dflash.enable_generation: % needs a single-column primary key', tbl
             USING ERRCODE = '42P10', HINT = 'the worker finds the row to fill by its key';
     END IF;
 
-    EXECUTE format('DROP TRIGGER IF EXISTS dflash_generate ON %s', tbl);
+    INSERT INTO dflash.generation_targets (tbl, prompt_column, output_column, key_column, mode, options)
+    VALUES (tbl, prompt_column, output_column, key_col, mode, gen_options)
+    ON CONFLICT ON CONSTRAINT generation_targets_pkey DO UPDATE
+        SET prompt_column = EXCLUDED.prompt_column, output_column = EXCLUDED.output_column,
+            key_column = EXCLUDED.key_column, mode = EXCLUDED.mode, options = EXCLUDED.options, enabled = true;
+    PERFORM dflash._drop_trigger(tbl);
     IF mode = 'async' THEN
+        PERFORM dflash._make_writer(tbl);
         EXECUTE format('CREATE TRIGGER dflash_generate AFTER INSERT ON %s FOR EACH ROW '
-                       'EXECUTE FUNCTION dflash._enqueue(%L, %L, %L)', tbl, prompt_column, key_col, gen_options);
-        -- The worker writes only the output column, found by key.
-        EXECUTE format('GRANT SELECT (%I), UPDATE (%I) ON %s TO dflash_worker', key_col, output_column, tbl);
+                       'EXECUTE FUNCTION dflash._enqueue(%L, %L, %L)', tbl, tbl::oid, prompt_column, key_col);
     ELSE
         EXECUTE format('CREATE TRIGGER dflash_generate BEFORE INSERT ON %s FOR EACH ROW '
                        'EXECUTE FUNCTION dflash._generate_row(%L, %L, %L)', tbl, prompt_column, output_column,
                        gen_options);
     END IF;
-    INSERT INTO dflash.generation_targets (tbl, prompt_column, output_column, key_column, mode, options)
-    VALUES (tbl, prompt_column, output_column, key_col, mode, gen_options)
-    ON CONFLICT ON CONSTRAINT generation_targets_pkey DO UPDATE
-        SET prompt_column = EXCLUDED.prompt_column, output_column = EXCLUDED.output_column,
-            key_column = EXCLUDED.key_column, mode = EXCLUDED.mode, options = EXCLUDED.options;
 END
 $$;
 COMMENT ON FUNCTION dflash.enable_generation(regclass, name, name, jsonb) IS
-    'Generate output_column from prompt_column for every inserted row. options: {"mode": "async"} '
-    '(default: queued, filled by the worker) or {"mode": "sync"} (filled within the INSERT), plus '
-    'max_new_tokens, temperature, block_size, top_p, top_k, seed, chat.';
+    'Generate output_column from prompt_column for every row inserted into a table you own. options: '
+    '{"mode": "async"} (default: queued, filled by the worker) or {"mode": "sync"} (filled within the INSERT), '
+    'plus max_new_tokens, temperature, block_size, top_p, top_k, seed, chat. Partitioned tables, any schema '
+    'and any single-column primary key work.';
 
 CREATE FUNCTION dflash.disable_generation(tbl regclass) RETURNS void
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
@@ -95,9 +242,31 @@ BEGIN
     IF tbl IS NULL THEN
         RAISE EXCEPTION 'dflash.disable_generation: tbl must not be NULL' USING ERRCODE = '22004';
     END IF;
-    EXECUTE format('DROP TRIGGER IF EXISTS dflash_generate ON %s', tbl);
-    DELETE FROM dflash.generation_targets t WHERE t.tbl = disable_generation.tbl;
+    PERFORM dflash._owned_table('dflash.disable_generation', tbl);
+    PERFORM dflash._drop_trigger(tbl);
+    -- The target and its writer stay, so rows already queued are still filled.
+    UPDATE dflash.generation_targets t SET enabled = false WHERE t.tbl = disable_generation.tbl;
 END
 $$;
 COMMENT ON FUNCTION dflash.disable_generation(regclass) IS
     'Stop generating on insert for this table (rows already queued are still filled).';
+
+-- A dropped table takes its generation target and writer with it.
+CREATE FUNCTION dflash._forget_dropped_tables() RETURNS event_trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    gone oid;
+BEGIN
+    FOR gone IN
+        SELECT d.objid FROM pg_event_trigger_dropped_objects() d
+        JOIN dflash.generation_targets g ON g.tbl::oid = d.objid
+        WHERE d.classid = 'pg_class'::regclass AND d.objsubid = 0
+    LOOP
+        DELETE FROM dflash.generation_targets g WHERE g.tbl::oid = gone;
+        EXECUTE format('DROP FUNCTION IF EXISTS dflash.%I(text, text, text)', dflash._writer_name(gone::regclass));
+    END LOOP;
+END
+$$;
+CREATE EVENT TRIGGER dflash_forget_dropped_tables ON sql_drop
+    WHEN TAG IN ('DROP TABLE', 'DROP SCHEMA', 'DROP OWNED')
+    EXECUTE FUNCTION dflash._forget_dropped_tables();

@@ -46,7 +46,8 @@ def zlab_engine(smol_target, shared):
     from dflash.engine.drafter import load_drafter
     from dflash.engine.engine import Engine
 
-    return Engine(smol_target, load_drafter(shared / "fixtures/zlab-compat/drafter"), "zlab-compat")
+    return Engine(smol_target, load_drafter(shared / "fixtures/zlab-compat/drafter"), "zlab-compat",
+                  cost_curve=cpu_like_costs(16))
 
 
 @pytest.fixture(scope="session")
@@ -54,12 +55,22 @@ def quick_engine(smol_target, shared):
     from dflash.engine.drafter import load_drafter
     from dflash.engine.engine import Engine
 
-    return Engine(smol_target, load_drafter(shared / "fixtures/quick-drafter"), "quick-drafter")
+    return Engine(smol_target, load_drafter(shared / "fixtures/quick-drafter"), "quick-drafter",
+                  cost_curve=cpu_like_costs(16))
 
 
 # --- a tiny random target + drafter: milliseconds per step ----------------------------
 
 TINY_VOCAB = 48
+
+
+def cpu_like_costs(block: int = 8):
+    """A cost curve shaped like a small CPU's: each verified token and drafted position adds
+    a little. Tests that need the policy to make definite choices use it instead of timing a
+    tiny model on a busy machine."""
+    from dflash.engine.costs import CostCurve
+
+    return CostCurve([1.0 + 0.05 * i for i in range(block)], [0.0] + [0.05 + 0.005 * i for i in range(block - 1)])
 
 
 def make_tiny_target(vocab: int = TINY_VOCAB, context: int = 96, seed: int = 0):
@@ -113,6 +124,22 @@ def tiny_engine():
 
 
 @pytest.fixture(scope="session")
+def copy_engine():
+    """A tiny target and drafter that always agree: both final norms are zero, so every
+    logit is 0 and both always pick token 0 (the first of equal maxima). Every draft is
+    kept: the case where `auto` should draft the whole block."""
+    from dflash.engine.drafter import init_random_drafter
+    from dflash.engine.engine import Engine
+
+    target = make_tiny_target(seed=3)
+    drafter = init_random_drafter(tiny_drafter_config(), seed=2, std=0.3)
+    with torch.no_grad():
+        target.model.model.norm.weight.zero_()
+        drafter.norm.weight.zero_()
+    return Engine(target, drafter, "copy-drafter", cost_curve=cpu_like_costs())
+
+
+@pytest.fixture(scope="session")
 def tiny_text_engine(smol_dir):
     """A tiny random target with SmolLM2's real tokenizer, so text prompts work and steps
     take milliseconds (worker tests)."""
@@ -138,13 +165,44 @@ def embedder():
 # --- PostgreSQL ----------------------------------------------------------------------------
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "pg: needs PostgreSQL (set automatically; CI runs `-m pg` on both back ends)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "pg_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.pg)
+
+
+def pytest_report_header(config):
+    from dflash.localpg import BackendUnavailable, choose_backend
+
+    try:
+        backend, why = choose_backend(REPO)
+    except BackendUnavailable as exc:
+        backend, why = "unavailable", str(exc)
+    return f"PostgreSQL for SQL tests: {backend} ({why})"
+
+
 @pytest.fixture(scope="session")
-def pg_server():
+def pg_backend() -> str:
+    """"containers" or "local": DFLASH_TEST_BACKEND=containers|local|auto (dflash.localpg)."""
+    from dflash.localpg import BackendUnavailable, choose_backend
+
+    try:
+        return choose_backend(REPO)[0]
+    except BackendUnavailable as exc:
+        pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="session")
+def pg_server(pg_backend):
     import subprocess
 
-    from dflash.localpg import docker_engine_available, start_server
+    from dflash.localpg import start_server
 
-    if not docker_engine_available():
+    if pg_backend == "local":
         share = Path(subprocess.check_output(["pg_config", "--sharedir"], text=True).strip()) / "extension"
         missing = [f for f in ("dflash.control", "vector.control", "plpython3u.control") if not (share / f).exists()]
         if missing:
@@ -152,7 +210,7 @@ def pg_server():
             if os.environ.get("CI"):
                 pytest.fail(msg)
             pytest.skip(msg)
-    server = start_server(REPO)
+    server = start_server(REPO, pg_backend)
     yield server
     server.stop()
 
@@ -178,13 +236,37 @@ def sql_worker(pg_server, pg_dsn, tiny_text_engine, embedder):
     from dflash.serve.server import Worker
 
     path = pg_server.socket_dir / "worker.sock"
-    group = "postgres" if os.geteuid() == 0 else None
-    worker = Worker(tiny_text_engine, embedder, socket_path=str(path), socket_group=group, max_queue=16)
+    worker = Worker(tiny_text_engine, embedder, socket_path=str(path), socket_group=pg_server.socket_group,
+                    max_queue=16)
     worker.start()
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("SELECT dflash.set_config('socket_path', %s)", (pg_server.server_path(path),))
     yield worker
     worker.shutdown(timeout=10)
+
+
+@pytest.fixture
+def make_worker(tmp_path, tiny_text_engine, embedder):
+    """Workers on the tiny engine, each on its own socket, shut down after the test."""
+    from dflash.serve.server import Worker
+
+    workers = []
+
+    def make(**kwargs):
+        kwargs.setdefault("socket_path", str(tmp_path / f"w{len(workers)}.sock"))
+        w = Worker(tiny_text_engine, embedder, **kwargs)
+        w.start()
+        workers.append(w)
+        return w
+
+    yield make
+    for w in workers:
+        w.shutdown(timeout=10)
+
+
+@pytest.fixture
+def worker(make_worker):
+    return make_worker(max_queue=16)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ def test_suites_have_their_prompts():
 
 
 def test_bench_all_methods(tiny_text_engine, tmp_path):
-    methods = ["ar-hf", "ar", "dflash-4", "dflash-8", "prompt-lookup"]
+    methods = ["ar-hf", "ar", "dflash-4", "dflash-8", "dflash-auto", "prompt-lookup"]
     report = run_bench(tiny_text_engine, ["code", "chat", "agent"], methods, limit=2, max_new=6)
     write_report(report, tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())
@@ -31,10 +31,31 @@ def test_bench_all_methods(tiny_text_engine, tmp_path):
     assert "| code | dflash-4 | " in md and "Drafts kept, by position" in md
     pos_rows = [line for line in md.splitlines() if line.startswith("| code | dflash-4 | ") and line.count("|") == 8]
     assert len(pos_rows) == 1 and pos_rows[0].endswith("| - |")  # a block of 4 drafts 3 positions
-    for f in ("report.md", "speedup.png", "tau_by_block_size.png", "acceptance_histogram.png"):
+    for f in ("report.md", "speedup.png", "tau_by_block_size.png", "acceptance_histogram.png",
+              "auto_block_sizes.png"):
         assert (tmp_path / f).stat().st_size > 0
     for key in ("torch", "threads", "dtype", "cpu", "date"):
         assert saved[key]
+    # dflash-auto: the chosen verify lengths, one count per step, within the drafter's block.
+    for r in (r for r in saved["results"] if r["method"] == "dflash-auto"):
+        hist = {int(k): v for k, v in r["verify_length_histogram"].items()}
+        assert sum(hist.values()) == sum(r["acceptance_length_histogram"].values())
+        assert set(hist) <= set(range(1, tiny_text_engine.block_size + 1))
+    assert "Verify lengths chosen by dflash-auto" in md
+
+
+def test_step_profile_reports_every_length_and_its_parts(tiny_text_engine, tmp_path):
+    from dflash.bench.step_profile import PARTS, profile, table
+
+    result = profile(tiny_text_engine, lengths=(1, 2, 4, 16), repeats=2)
+    assert result["ar_step_s"] > 0 and list(result["L"]) == ["1", "2", "4"]  # 16 > the drafter's 8
+    for L, row in result["L"].items():
+        assert row["total_vs_ar"] == pytest.approx(row["total_s"] / result["ar_step_s"])
+        for part in PARTS:
+            assert row[f"{part}_vs_ar"] >= 0
+        drafted = int(L) > 1
+        assert (row["drafter_forward_s"] > 0) == drafted and (row["drafter_lm_head_s"] > 0) == drafted
+    assert "| 4 |" in table(result)
 
 
 def test_unknown_method_or_missing_assistant(tiny_text_engine):

@@ -31,8 +31,23 @@ def test_generate_json_contract(generated):
                 "accepted_per_position", "prefill_s", "num_steps"):
         assert key in out, key
     assert len(out["output_ids"]) == out["new_tokens"] <= 6
-    assert all(set(s) == {"draft_ids", "accepted"} and len(s["draft_ids"]) == 15 for s in out["steps"])
+    # No --block-size: auto, each step's verify length chosen between 1 and the drafter's 16.
+    assert out["block_policy"] == "auto" and out["block_size"] == 16
+    assert all(set(s) == {"draft_ids", "accepted"} and len(s["draft_ids"]) <= 15 for s in out["steps"])
+    hist = out["verify_length_histogram"]
+    assert sum(hist.values()) == out["num_steps"]
+    assert hist == {str(n): sum(len(s["draft_ids"]) + 1 == n for s in out["steps"])
+                    for n in {len(s["draft_ids"]) + 1 for s in out["steps"]}}
     assert out["tau"] == pytest.approx(sum(s["accepted"] + 1 for s in out["steps"]) / len(out["steps"]))
+
+
+def test_a_fixed_block_size_verifies_that_many_every_step(smol_dir):
+    proc = dflash("generate", "--prompt", "Name a color.", "--chat", "--max-new-tokens", "6", "--block-size", "16",
+                  "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["block_policy"] == "fixed" and out["verify_length_histogram"] == {"16": out["num_steps"]}
+    assert all(len(s["draft_ids"]) == 15 for s in out["steps"])
 
 
 def test_the_shipped_default_drafter_is_used(generated):

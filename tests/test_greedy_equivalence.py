@@ -28,7 +28,7 @@ def hf_greedy(smol_target, zlab_engine):
     return out
 
 
-@pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16, None])  # None: auto, the length chosen per step
 @pytest.mark.parametrize("drafter", ["zlab_engine", "quick_engine"])
 def test_greedy_output_equals_transformers_generate(request, hf_greedy, drafter, block_size):
     engine = request.getfixturevalue(drafter)
@@ -36,7 +36,10 @@ def test_greedy_output_equals_transformers_generate(request, hf_greedy, drafter,
         res = engine.generate(GenerationRequest(prompt=prompt, chat=chat, max_new_tokens=MAX_NEW, block_size=block_size))
         assert res.output_ids == hf_greedy[prompt], (prompt, block_size)
         s = res.stats
-        assert all(len(step.draft_ids) == block_size - 1 for step in s.steps)
+        if block_size is None:
+            assert s.policy == "auto" and all(len(step.draft_ids) < engine.block_size for step in s.steps)
+        else:
+            assert all(len(step.draft_ids) == block_size - 1 for step in s.steps)
         assert s.new_tokens == len(res.output_ids)
 
 
@@ -53,3 +56,19 @@ def test_trained_drafter_exercises_multi_token_acceptance(quick_engine, hf_greed
         assert 1 + sum(committed[:-1]) < len(res.output_ids) <= 1 + sum(committed)
         assert res.stats.tau == pytest.approx(sum(committed) / len(committed))
     assert accepted > 0
+
+
+@pytest.mark.parametrize("block_size", [4, None])
+def test_drafting_in_bf16_keeps_the_targets_output(smol_target, shared, hf_greedy, block_size):
+    """Drafts are proposals: a drafter computing in bfloat16 (the CPU default where bf16 is
+    native) proposes different tokens at times, but the output is still the target's."""
+    from dflash.engine.drafter import load_drafter
+    from dflash.engine.engine import Engine
+    from tests.conftest import cpu_like_costs
+
+    engine = Engine(smol_target, load_drafter(shared / "fixtures/quick-drafter"), "quick-bf16",
+                    draft_dtype="bfloat16", cost_curve=cpu_like_costs(16))
+    assert engine.draft_dtype == torch.bfloat16 and engine.target.dtype == torch.float32
+    for prompt, chat in PROMPTS:
+        res = engine.generate(GenerationRequest(prompt=prompt, chat=chat, max_new_tokens=MAX_NEW, block_size=block_size))
+        assert res.output_ids == hf_greedy[prompt]

@@ -28,7 +28,10 @@ def tiny_dirs(tmp_path_factory, tiny_text_engine):
 def worker_dsn(pg_dsn):
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("ALTER ROLE dflash_worker LOGIN")
-    return pg_dsn + " user=dflash_worker"
+        conn.execute("SELECT dflash.set_config('queue_max_attempts', '2')")
+    yield pg_dsn + " user=dflash_worker"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SELECT dflash.set_config('queue_max_attempts', '5')")
 
 
 class QueueWorker:
@@ -36,7 +39,7 @@ class QueueWorker:
         self.args = [
             sys.executable, "-m", "dflash.cli", "serve", "--target", str(tiny_dirs / "target"),
             "--drafter", str(tiny_dirs / "drafter"), "--socket", str(sock), "--no-embedder",
-            "--database", dsn, "--poll-s", "0.2", "--max-attempts", "2", "--threads", "1",
+            "--database", dsn, "--poll-s", "0.2", "--threads", "1",
         ]
         self.log = log
         self.proc = None

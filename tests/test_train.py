@@ -1,5 +1,6 @@
-"""`dflash train` pieces on a tiny random target: the objective's masks and labels, the
-loss going down, and the checkpoint loading back through the engine's loader."""
+"""`dflash train` pieces on a tiny random target: the objective's blocks, anchors and
+labels, the block-sparse forward against the engine drafter's dense-mask forward, the loss
+going down, and the checkpoint loading back through the engine's loader."""
 
 import json
 
@@ -10,7 +11,8 @@ from dflash.engine.engine import Engine, GenerationRequest
 from dflash.train.data import collect_prompts, excluded_prompts, load_records
 from dflash.train.features import FeatureCache
 from dflash.bench.run import PROMPT_DIR as PROMPTS_DIR
-from dflash.train.objective import build_blocks, pack_blocks, sample_anchors
+from dflash.train.blockwise import forward_blocks
+from dflash.train.objective import build_blocks, sample_anchors, slot_weights
 from dflash.train.pipeline import drafter_config_for, init_from_target
 from dflash.train.trainer import TrainConfig, train
 from tests.conftest import make_tiny_target, tiny_drafter_config
@@ -19,25 +21,41 @@ from tests.conftest import make_tiny_target, tiny_drafter_config
 def test_blocks_mask_labels_and_weights():
     ids = torch.arange(100, 120)  # 20 tokens
     anchors = torch.tensor([5, 12])
-    b = build_blocks(ids, anchors, block_size=4, mask_id=3, gamma=7.0)
-    assert b.block_ids.tolist() == [105, 3, 3, 3, 112, 3, 3, 3]
-    assert b.labels.tolist() == [-100, 106, 107, 108, -100, 113, 114, 115]
-    assert b.positions[20:].tolist() == [5, 6, 7, 8, 12, 13, 14, 15]
-    m = b.attn_mask
+    b = build_blocks(ids, anchors, 4, 3, slot_weights(4, "decay", 7.0, None))
+    assert b.block_ids.tolist() == [[105, 3, 3, 3], [112, 3, 3, 3]]
+    assert b.labels.tolist() == [[-100, 106, 107, 108], [-100, 113, 114, 115]]
+    assert b.positions.tolist() == [[5, 6, 7, 8], [12, 13, 14, 15]]
+    m = b.dense_mask()
     assert m[0, :20].tolist() == [True] * 5 + [False] * 15  # context strictly before anchor 5
     assert m[4, :20].tolist() == [True] * 12 + [False] * 8
     assert m[1, 20:].tolist() == [True] * 4 + [False] * 4  # own block only, bidirectional
     assert m[6, 20:].tolist() == [False] * 4 + [True] * 4
-    assert torch.allclose(b.weights[1:4], torch.exp(-torch.tensor([0.0, 1.0, 2.0]) / 7.0))
+    assert torch.allclose(b.weights[0, 1:], torch.exp(-torch.tensor([0.0, 1.0, 2.0]) / 7.0))
     # labels past the end get no loss
-    b = build_blocks(ids, torch.tensor([18]), block_size=4, mask_id=3, gamma=7.0)
-    assert b.labels.tolist() == [-100, 119, -100, -100] and b.weights[2:].sum() == 0
+    b = build_blocks(ids, torch.tensor([18]), 4, 3, slot_weights(4, "decay", 7.0, None))
+    assert b.labels.tolist() == [[-100, 119, -100, -100]] and b.weights[0, 2:].sum() == 0
+    # fewer loss positions: slots past them carry no label and no weight (no LM head there)
+    b = build_blocks(ids, anchors, 4, 3, slot_weights(4, "uniform", None, 2))
+    assert b.labels.tolist() == [[-100, 106, 107, -100], [-100, 113, 114, -100]]
+    assert b.weights.tolist() == [[0, 1, 1, 0], [0, 1, 1, 0]]
 
 
-def test_anchors_are_response_positions():
+def test_anchors_every_response_position_with_a_loss_label():
+    # 50 tokens, response from 20: anchors 20..48 (the anchor a response token, its first label too)
+    a = sample_anchors(50, 20, 512)
+    assert a.tolist() == list(range(20, 49))
     gen = torch.Generator().manual_seed(0)
-    a = sample_anchors(50, 20, 16, 10, gen)
-    assert len(a) == 10 and a.min() >= 19 and a.max() <= 48 and torch.equal(a, a.sort().values)
+    capped = sample_anchors(50, 20, 10, gen)
+    assert len(capped) == 10 and set(capped.tolist()) <= set(range(20, 49))
+    assert torch.equal(capped, capped.sort().values)
+    assert not torch.equal(capped, sample_anchors(50, 20, 10, gen))  # a fresh subset per call
+    # only positions whose label is a loss token: a masked-out stretch inside the response
+    loss = torch.zeros(50, dtype=torch.bool)
+    loss[20:30] = True
+    loss[35:] = True
+    a = sample_anchors(50, 20, 512, loss_mask=loss).tolist()
+    assert a == list(range(20, 29)) + list(range(35, 49))
+    assert len(sample_anchors(21, 20, 512)) == 0  # one response token: nothing to predict
 
 
 def test_benchmark_prompts_are_excluded():
@@ -69,7 +87,7 @@ def test_training_lowers_loss_and_round_trips(tmp_path, smol_dir):
 
     drafter = init_random_drafter(dcfg, seed=0)
     init_from_target(drafter, target)
-    cfg = TrainConfig(epochs=15, lr=3e-3, num_anchors=8, seqs_per_step=2, checkpoint_minutes=100)
+    cfg = TrainConfig(epochs=15, lr=3e-3, seqs_per_step=2, checkpoint_minutes=100)
     state = train(drafter, target, cache, tmp_path / "run", cfg)
     losses = [l for _, _, l in state["losses"]]
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
@@ -86,29 +104,13 @@ def test_training_lowers_loss_and_round_trips(tmp_path, smol_dir):
     assert again["step"] == state["step"]
 
 
-def _random_blocks(seed: int, T: int, n_anchors: int, L: int = 4) -> tuple[torch.Tensor, object]:
+def _random_blocks(seed: int, T: int, response_start: int, L: int = 4):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(20, 60, (T,), generator=gen)
-    anchors = sample_anchors(T, 3, L, n_anchors, gen)
-    return ids, build_blocks(ids, anchors, L, mask_id=3, gamma=7.0)
+    return build_blocks(ids, sample_anchors(T, response_start, 512), L, 3, slot_weights(L, "decay", None, None))
 
 
-def test_packed_blocks_see_only_their_own_sequence():
-    parts = [_random_blocks(s, T, a)[1] for s, T, a in ((0, 12, 3), (1, 20, 5), (2, 9, 2))]
-    packed = pack_blocks(parts)
-    m, T = packed.attn_mask, sum(len(p.k_seq) for p in parts)
-    r = c = 0
-    for p in parts:
-        q, t = len(p.block_ids), len(p.k_seq)
-        own = p.attn_mask
-        # the packed mask restricted to this sequence's rows is its own mask, everything else is hidden
-        assert torch.equal(m[r : r + q, c : c + t], own[:, :t])
-        assert torch.equal(m[r : r + q, T + r : T + r + q], own[:, t:])
-        assert m[r : r + q].sum() == own.sum()
-        r, c = r + q, c + t
-
-
-def test_packed_forward_equals_separate_forwards():
+def test_block_sparse_forward_equals_the_engine_drafters_dense_mask_forward():
     from dflash.engine.drafter import init_random_drafter
 
     torch.manual_seed(0)
@@ -116,15 +118,26 @@ def test_packed_forward_equals_separate_forwards():
     drafter = init_random_drafter(dcfg, seed=1, std=0.2).eval()
     width = dcfg.num_features * dcfg.hidden_size
     embed = torch.randn(64, dcfg.hidden_size)
-    seqs = [_random_blocks(s, T, a) for s, T, a in ((0, 12, 3), (1, 20, 5))]
-    feats = [torch.randn(len(ids), width) for ids, _ in seqs]
+    seqs = [(_random_blocks(s, T, rs), torch.randn(T, width)) for s, T, rs in ((0, 12, 3), (1, 20, 5))]
     with torch.no_grad():
-        alone = [drafter(f[None], embed[b.block_ids][None], b.positions, attn_mask=b.attn_mask)[0]
-                 for f, (_, b) in zip(feats, seqs)]
-        packed = pack_blocks([b for _, b in seqs])
-        together = drafter(torch.cat(feats)[None], embed[packed.block_ids][None], packed.positions,
-                           attn_mask=packed.attn_mask)[0]
-    assert torch.allclose(torch.cat(alone), together, atol=1e-5)
+        alone = []
+        for b, f in seqs:
+            positions = torch.cat((torch.arange(b.n_ctx), b.positions.reshape(-1)))
+            ref = drafter(f[None], embed[b.block_ids.reshape(-1)][None], positions, attn_mask=b.dense_mask())[0]
+            out = forward_blocks(drafter, f[None], embed[b.block_ids][None], b.anchors[None])[0]
+            assert torch.allclose(out.reshape(ref.shape), ref, atol=1e-5)
+            alone.append(out)
+        # two sequences padded into one batch: each block's output is what it is alone
+        A = max(len(b.anchors) for b, _ in seqs)
+        feats = torch.zeros(2, 20, width)
+        embeds = torch.zeros(2, A, 4, dcfg.hidden_size)
+        anchors = torch.zeros(2, A, dtype=torch.long)
+        for i, (b, f) in enumerate(seqs):
+            n = len(b.anchors)
+            feats[i, : len(f)], embeds[i, :n], anchors[i, :n] = f, embed[b.block_ids], b.anchors
+        batched = forward_blocks(drafter, feats, embeds, anchors)
+    for i, (b, _) in enumerate(seqs):
+        assert torch.allclose(batched[i, : len(b.anchors)], alone[i], atol=1e-5)
 
 
 def test_batched_features_equal_one_sequence_at_a_time(tmp_path):
@@ -138,8 +151,7 @@ def test_batched_features_equal_one_sequence_at_a_time(tmp_path):
     cache.build(target, records, [0, 2], batch_tokens=64)
     assert sorted(s["prompt"] for s in cache.sequences) == sorted(r["prompt"] for r in records)
     for seq in cache.sequences:
-        target.reset([0, 2])
-        _, ref = target.forward(torch.tensor(seq["ids"]))
+        _, ref = target.forward(torch.tensor(seq["ids"]), target.new_cache(), [0, 2])
         assert torch.allclose(cache.features(seq), ref.to(torch.bfloat16).float(), atol=2e-2, rtol=2e-2)
 
 

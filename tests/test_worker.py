@@ -19,27 +19,6 @@ from dflash.serve.server import Worker
 from tests.conftest import wait_until
 
 
-@pytest.fixture
-def make_worker(tmp_path, tiny_text_engine, embedder):
-    workers = []
-
-    def make(**kwargs):
-        kwargs.setdefault("socket_path", str(tmp_path / f"w{len(workers)}.sock"))
-        w = Worker(tiny_text_engine, embedder, **kwargs)
-        w.start()
-        workers.append(w)
-        return w
-
-    yield make
-    for w in workers:
-        w.shutdown(timeout=10)
-
-
-@pytest.fixture
-def worker(make_worker):
-    return make_worker(max_queue=16)
-
-
 def call(w, op, params=None, **kw):
     with Client(str(w.socket_path)) as c:
         return c.call(op, params, **kw)

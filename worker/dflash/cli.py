@@ -23,10 +23,14 @@ def _ids(text: str) -> list[int]:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="Hugging Face model folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", help="DFlash drafter folder, published layout (default: the project's drafter)")
+    p.add_argument("--drafter", help="DFlash drafter: folder in the published layout, .gguf (llama.cpp's layout) or "
+                   ".onnx (run by ONNX Runtime) (default: the project's drafter)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype the drafter computes in (drafts are proposals: output is unchanged); auto: bfloat16 "
+                        "on a CPU with native bf16 when the target runs float32, else the target's dtype")
 
 
 def add_generate_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -35,7 +39,9 @@ def add_generate_args(p: argparse.ArgumentParser, required: bool = True) -> None
     src.add_argument("--input-ids", type=_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int, help="1 = plain decoding; default: the drafter's block size")
+    p.add_argument("--block-size", type=int,
+                   help="verify length every step: 1 = plain decoding, up to the drafter's block size; "
+                        "default: auto (chosen per step by the device's cost curve)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -69,14 +75,15 @@ def load_engine(args):
     import torch
 
     from dflash.engine.engine import Engine
-    from dflash.models import resolve_models
+    from dflash.models import cache_dir, resolve_models
 
     if args.threads:
         torch.set_num_threads(args.threads)
     target, drafter, is_random = resolve_models(args.target, args.drafter)
     if is_random:
         print(RANDOM_DRAFTER_WARNING, file=sys.stderr)
-    return Engine.load(target, drafter, device=args.device, dtype=args.dtype, random_drafter=is_random)
+    return Engine.load(target, drafter, device=args.device, dtype=args.dtype, random_drafter=is_random,
+                       cost_dir=cache_dir() / "costs", draft_dtype=args.draft_dtype)
 
 
 def cmd_generate(args) -> int:
@@ -92,7 +99,8 @@ def cmd_generate(args) -> int:
         tps = f"{s.tokens_per_s:.1f}" if s.tokens_per_s else "-"
         tau = f"{s.tau:.2f}" if s.tau else "-"
         print(
-            f"[{s.new_tokens} tokens, {s.num_steps} steps, tau {tau}, {tps} tok/s, block {s.block_size}]",
+            f"[{s.new_tokens} tokens, {s.num_steps} steps, tau {tau}, {tps} tok/s, "
+            f"block {'auto' if s.policy == 'auto' else s.block_size}]",
             file=sys.stderr,
         )
     return 0
@@ -117,12 +125,15 @@ def cmd_bench(args) -> int:
 
     from dflash.models import assistant_dir
 
+    from dflash.bench.llamacpp import peer_for
+
     engine = load_engine(args)
     methods = args.methods.split(",")
+    peer = peer_for(args.target, args.drafter, methods, engine.block_size)
     assistant = assistant_dir(args.assistant, engine.target.model, args.target is None) if (
         "assisted-ar" in methods) else None
     report = run_bench(engine, args.suites.split(","), methods, args.limit, args.max_new_tokens,
-                       str(assistant) if assistant else None, Path(args.out) / "samples.jsonl", args.resume)
+                       str(assistant) if assistant else None, Path(args.out) / "samples.jsonl", args.resume, peer)
     report["command"] = "dflash " + " ".join(sys.argv[1:])
     write_report(report, Path(args.out))
     print(markdown(report))
@@ -138,7 +149,10 @@ def cmd_serve(args) -> int:
     from dflash.serve.server import Worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from dflash.models import resolve_models
+
     engine = load_engine(args)
+    target_dir, drafter_dir, _ = resolve_models(args.target, args.drafter, quiet=True)
     embedder = None
     if not args.no_embedder:
         from dflash.embed import Embedder
@@ -149,11 +163,19 @@ def cmd_serve(args) -> int:
         embedder,
         socket_path=args.socket,
         max_queue=args.max_queue,
+        max_active=args.max_active,
         max_frame=args.max_frame,
         socket_group=args.socket_group,
         allow_uids=args.allow_uid,
         allow_gids=args.allow_gid,
+        drafter_dir=drafter_dir,
+        drafter_roots=args.drafter_root,
     )
+    learner = None
+    if args.learn:  # off by default: a drafter trained on a workload memorises some of it
+        from dflash.serve.learn import learner_from_args
+
+        learner = learner_from_args(worker, args, target_dir)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -162,9 +184,13 @@ def cmd_serve(args) -> int:
     if args.database:
         from dflash.serve.queue import QueueConsumer
 
-        consumer = QueueConsumer(worker, args.database, poll_s=args.poll_s, max_attempts=args.max_attempts)
+        consumer = QueueConsumer(worker, args.database, poll_s=args.poll_s)
         consumer.start()
+    if learner is not None:
+        learner.start()
     stop.wait()
+    if learner is not None:
+        learner.shutdown()
     if consumer is not None:
         consumer.shutdown()
     worker.shutdown()
@@ -188,6 +214,8 @@ def cmd_client(args) -> int:
         params = {"texts": args.text}
     elif op == "cancel":
         params = {"request_id": args.request_id}
+    elif op == "reload_drafter":
+        params = {"path": args.path} if args.path else {}
     else:
         params = {}
     try:
@@ -203,6 +231,14 @@ def cmd_client(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from dflash.convert import convert_drafter
+
+    out = convert_drafter(args.drafter, args.to, args.out, target=args.target, outtype=args.outtype)
+    print(out)
+    return 0
+
+
 def cmd_demo(args) -> int:
     from dflash.demo import run_demo
 
@@ -210,30 +246,15 @@ def cmd_demo(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from pathlib import Path
+    if args.from_database:
+        from dflash.train.db_args import check_from_database_arguments
+        from dflash.train.from_database import run_from_args
 
-    import torch
+        check_from_database_arguments(args)
+        return run_from_args(args)
+    from dflash.train.pipeline import run_from_args
 
-    from dflash.models import ensure_default_target
-    from dflash.train.pipeline import run
-    from dflash.train.trainer import TrainConfig
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = TrainConfig(
-        epochs=args.epochs, lr=args.lr, num_anchors=args.num_anchors, seqs_per_step=args.seqs_per_step,
-        time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None,
-        checkpoint_minutes=args.checkpoint_minutes, reduced_vocab=not args.full_vocab_loss, seed=args.seed,
-        pack=args.pack,
-    )
-    drafter = run(
-        Path(args.target) if args.target else ensure_default_target(), Path(args.out), prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch, layers=args.layers,
-        block_size=args.block_size, layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
-        init=args.init, cfg=cfg, device=args.device, prompt_file=Path(args.prompt_file) if args.prompt_file else None,
-    )
-    print(f"drafter written to {drafter}")
-    return 0
+    return run_from_args(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="every method on the same prompts: speed, tau, greedy agreement")
     add_model_args(p)
     p.add_argument("--suites", default="code,chat,agent")
-    p.add_argument("--methods", default="ar-hf,ar,dflash-4,dflash-8,dflash-16,prompt-lookup,assisted-ar")
+    p.add_argument("--methods", default="ar-hf,ar,dflash-4,dflash-8,dflash-16,dflash-auto,prompt-lookup,assisted-ar")
     p.add_argument("--assistant", help="AR draft model for assisted-ar: a transformers folder or a stored "
                    "assistant (default: the shipped one, for the default target)")
     p.add_argument("--limit", type=int, help="prompts per suite (default: all)")
@@ -266,21 +287,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embedder", help="sentence-embedding model folder (default: all-MiniLM-L6-v2 from PyPI)")
     p.add_argument("--no-embedder", action="store_true", help="serve without an embedding model")
     p.add_argument("--max-queue", type=int, default=64, help="queued requests before answering 'busy'")
+    p.add_argument("--max-active", type=int, default=4,
+                   help="generations decoded at once, taking turns step by step (one long one never blocks others)")
     p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, help="largest accepted request, bytes")
     p.add_argument("--socket-group", help="group (name or gid) owning the socket (mode 0660)")
     p.add_argument("--allow-uid", type=int, action="append", help="only these peer uids (SO_PEERCRED; repeatable)")
     p.add_argument("--allow-gid", type=int, action="append", help="only these peer gids (repeatable)")
     p.add_argument("--database", help="libpq DSN (as role dflash_worker): consume dflash.queue for triggers")
     p.add_argument("--poll-s", type=float, default=1.0, help="queue poll interval besides LISTEN/NOTIFY")
-    p.add_argument("--max-attempts", type=int, default=5, help="tries per queue item before dflash.queue_failed")
+    p.add_argument("--drafter-root", action="append", default=[],
+                   help="reload_drafter may load drafter folders under this directory (repeatable)")
+    from dflash.train.db_args import add_learn_arguments
+
+    add_learn_arguments(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("client", help="send one request to a running worker and print the answer")
-    p.add_argument("op", choices=["generate", "generate-block", "embed", "status", "cancel"])
+    p.add_argument("op", choices=["generate", "generate-block", "embed", "status", "cancel", "reload-drafter"])
     p.add_argument("--socket", default=DEFAULT_SOCKET)
     p.add_argument("--timeout-ms", type=int, help="deadline for the request")
     p.add_argument("--text", action="append", default=[], help="text to embed (repeatable)")
     p.add_argument("--request-id", help="for cancel: the request to stop")
+    p.add_argument("--path", help="for reload-drafter: a drafter folder under the worker's --drafter-root "
+                   "(default: the current drafter's folder, read again)")
     add_generate_args(p, required=False)
     p.set_defaults(func=cmd_client)
 
@@ -290,29 +319,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("train", help="train a DFlash drafter for a target (resumable, in stages)")
-    p.add_argument("--target", help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--out", required=True, help="run directory: data, feature cache, checkpoints, drafter")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int)
-    p.add_argument("--prompts", type=int, help="how many offline prompts to use (default: all)")
-    p.add_argument("--prompt-file", help="JSONL of prompts to use instead of collecting them here")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="response length when regenerating")
-    p.add_argument("--gen-batch", type=int, default=8, help="prompts per batched regeneration")
-    p.add_argument("--layers", type=int, default=2, help="draft layers")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--target-layer-ids", type=_ids, help="comma-separated target layer ids (default: spread)")
-    p.add_argument("--mask-token-id", type=int, default=16)
-    p.add_argument("--init", choices=["random", "target"], default="random")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--num-anchors", type=int, default=32, help="blocks per sequence per step")
-    p.add_argument("--seqs-per-step", type=int, default=4)
-    p.add_argument("--pack", type=int, default=1, help="sequences per forward (1 on CPU; 8+ on a GPU)")
-    p.add_argument("--time-budget-min", type=float, help="stop training after this many minutes (resumable)")
-    p.add_argument("--checkpoint-minutes", type=float, default=5.0)
-    p.add_argument("--full-vocab-loss", action="store_true", help="softmax over the whole vocabulary")
-    p.add_argument("--seed", type=int, default=0)
+    from dflash.train.args import add_train_arguments
+
+    add_train_arguments(p)
+    from dflash.train.db_args import add_from_database_arguments
+
+    add_from_database_arguments(p)
     p.set_defaults(func=cmd_train)
+
+    from dflash.convert import FORMATS, OUTTYPES
+
+    p = sub.add_parser("convert", help="a drafter to llama.cpp's GGUF, to ONNX, or from GGUF back to a folder")
+    p.add_argument("drafter", help="drafter folder (published layout) or .gguf file")
+    p.add_argument("--to", required=True, choices=FORMATS, help="gguf, onnx, or hf (a .gguf back to a folder)")
+    p.add_argument("out", help="output file (.gguf, .onnx) or folder (hf)")
+    p.add_argument("--target", help="the target's GGUF file or Hugging Face folder: checked against the drafter; "
+                   "gives the GGUF its vocabulary (default: the embedded SmolLM2's) and, for a GGUF written by "
+                   "llama.cpp's converter, the target's layer count")
+    p.add_argument("--outtype", default="auto", choices=OUTTYPES,
+                   help="GGUF matrix type: auto keeps the stored dtype (exact), f32 widens (exact)")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("models", help="prepare the embedded default models in the cache")
     p.add_argument("--json", action="store_true")

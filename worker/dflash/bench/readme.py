@@ -24,12 +24,18 @@ def section(report: dict, command: str) -> str:
 
 
 def update(readme: Path, report: dict, command: str) -> None:
+    replace_section(readme, START, END, section(report, command))
+
+
+def replace_section(readme: Path, start: str, end: str, body: str) -> None:
+    """Replace the README's text from marker `start` through marker `end` with `body`
+    (which carries the markers again)."""
     text = readme.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"{readme} has no {START} ... {END} markers")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(head + section(report, command) + tail)
+    if start not in text or end not in text:
+        raise SystemExit(f"{readme} has no {start} ... {end} markers")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(head + body + tail)
 
 
 def main(argv=None) -> int:

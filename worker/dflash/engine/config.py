@@ -201,3 +201,21 @@ class SamplingParams:
         if self.greedy:
             return "greedy"
         return self.verify or "probabilistic"
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of block length `auto` (see policy.py); one place for their defaults."""
+
+    default_acceptance: float = 0.5  # a priori chance the first draft is kept (no workload prior)
+    default_decay: float = 0.85  # ... and its decay per later position
+    prior_strength: float = 2.0  # steps of evidence the default prior is worth
+    max_prior_strength: float = 32.0  # a workload prior never outweighs this many steps
+    confidence_weight: float = 0.75  # a priori, the drafter's confidence against position history
+    calibration_bins: int = 10  # confidence bins for the online calibration
+    calibration_strength: float = 2.0  # pseudo-outcomes per bin before any is seen
+    history: int = 32  # recent drafted steps replayed to price drafting
+    probe_after: int = 8  # plain steps before drafting is tried again
+    probe_max_gap: int = 64  # probes that do not pay back off up to this gap
+    probe_len: int = 4  # a probe drafts this many positions (anchor included) and verifies them all
+    warmup_outcomes: int = 4  # drafted steps verify everything until this many outcomes are calibrated

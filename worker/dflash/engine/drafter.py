@@ -59,20 +59,43 @@ class Rotary(nn.Module):
 
 
 class DraftCache:
-    """Per-layer K/V of the committed context (post k_norm and RoPE)."""
+    """Per-layer K/V of the committed context (post k_norm and RoPE), in buffers that grow
+    by doubling, so a step copies nothing but its own new rows.
 
-    def __init__(self, num_layers: int):
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+    Rows [0, length) are committed context. A forward writes its new context rows at
+    `length` and the block's rows right after them, attends over the buffer's prefix, and
+    then advances `length` past the context rows only: the block rows are scratch that the
+    next forward overwrites (the reference's "write everything, then crop to start")."""
+
+    def __init__(self, num_layers: int, capacity: int = 256):
+        self.num_layers = num_layers
+        self.keys: torch.Tensor | None = None  # [layers, B, n_kv, capacity, head_dim]
+        self.values: torch.Tensor | None = None
+        self.capacity = capacity
         self.length = 0
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is None:
-            self.keys[layer], self.values[layer] = k, v
-        elif k.shape[-2]:
-            self.keys[layer] = torch.cat((self.keys[layer], k), dim=-2)
-            self.values[layer] = torch.cat((self.values[layer], v), dim=-2)
-        return self.keys[layer], self.values[layer]
+    def _reserve(self, k: torch.Tensor, rows: int) -> None:
+        if self.keys is not None and rows <= self.keys.shape[3]:
+            return
+        cap = max(self.capacity, 1)
+        while cap < rows:
+            cap *= 2
+        b, n_kv, _, hd = k.shape
+        keys = k.new_empty(self.num_layers, b, n_kv, cap, hd)
+        values = k.new_empty(self.num_layers, b, n_kv, cap, hd)
+        if self.keys is not None and self.length:
+            keys[:, :, :, : self.length] = self.keys[:, :, :, : self.length]
+            values[:, :, :, : self.length] = self.values[:, :, :, : self.length]
+        self.keys, self.values, self.capacity = keys, values, cap
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store `k`/`v` [B, n_kv, S + L, hd] after the committed rows; return the layer's
+        K/V over committed context + these rows (views, no copy)."""
+        end = self.length + k.shape[2]
+        self._reserve(k, end)
+        self.keys[layer, :, :, self.length : end] = k
+        self.values[layer, :, :, self.length : end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
 
 class Attention(nn.Module):
@@ -104,10 +127,8 @@ class Attention(nn.Module):
         q = q * cos[S:] + rotate_half(q) * sin[S:]
         k = k * cos + rotate_half(k) * sin
         if cache is not None:
-            # Context K/V are committed and kept; block K/V are used for this pass only.
-            ctx_k, ctx_v = cache.append(self.layer, k[:, :, :S], v[:, :, :S])
-            k = torch.cat((ctx_k, k[:, :, S:]), dim=2)
-            v = torch.cat((ctx_v, v[:, :, S:]), dim=2)
+            # Context K/V are committed and kept; block K/V are scratch for this pass only.
+            k, v = cache.write(self.layer, k, v)
         mask = attn_mask
         if self.window is not None:
             if attn_mask is not None:
@@ -197,8 +218,25 @@ def _state_key(name: str) -> str | None:
     return None if name.startswith("rotary.") else name
 
 
-def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> DFlashDrafter:
+def load_drafter(path: str | Path, device="cpu", dtype=torch.float32):
+    """A drafter from the published folder, a `.gguf` file (llama.cpp's DFlash layout) or an
+    `.onnx` file (run by ONNX Runtime); see dflash.convert."""
     path = Path(path)
+    if path.suffix == ".onnx":
+        from dflash.engine.onnx_drafter import OnnxDrafter
+
+        return OnnxDrafter.load(path).to(device=device, dtype=dtype).eval()
+    if path.suffix == ".gguf":
+        from dflash.convert.gguf_file import read_gguf_drafter
+
+        cfg, state = read_gguf_drafter(path)
+    else:
+        cfg, state = read_drafter_folder(path)
+    return drafter_from_state(cfg, state).to(device=device, dtype=dtype).eval()
+
+
+def read_drafter_folder(path: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """The published folder's config and its tensors as stored (bf16 for published drafters)."""
     if not path.is_dir():
         raise DFlashError("bad_drafter", f"drafter directory not found: {path}")
     cfg = DrafterConfig.from_file(path / "config.json")
@@ -211,7 +249,21 @@ def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> DFlashD
             state.update(load_file(str(f)))
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise DFlashError("bad_drafter", f"drafter weights {f} are missing or corrupt: {exc}") from None
+    return cfg, state
+
+
+def drafter_from_state(cfg: DrafterConfig, state: dict[str, torch.Tensor]) -> DFlashDrafter:
+    check_state(cfg, state)
     model = DFlashDrafter(cfg)
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def check_state(cfg: DrafterConfig, state: dict[str, torch.Tensor]) -> None:
+    """The tensors must be exactly those the config implies, with their shapes (checked on
+    the meta device: no weights are allocated)."""
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
     expected = {k: p for k, p in model.state_dict().items() if _state_key(k)}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -225,8 +277,6 @@ def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> DFlashD
             raise DFlashError(
                 "bad_drafter", f"drafter tensor {k} has shape {tuple(t.shape)}, config implies {tuple(expected[k].shape)}"
             )
-    model.load_state_dict(state, strict=False)
-    return model.to(device=device, dtype=dtype).eval()
 
 
 def save_drafter(model: DFlashDrafter, path: str | Path, extra_config: dict | None = None) -> None:

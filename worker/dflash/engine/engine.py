@@ -1,23 +1,31 @@
 """The engine: a target and a drafter loaded once, serving validated generation requests.
 
-This is the one entry point the CLI, the worker and the benchmarks share: it
-turns a request (text or ids, sampling parameters, stops) into prompt ids, runs
-the speculative loop and returns ids, text and statistics.
+This is the one entry point the CLI, the worker and the benchmarks share. `start(request)`
+validates it, tokenises it and prefills a new DecodeState; `step(state)` runs one draft /
+verify / commit; `finish(state)` turns the state into ids, text and statistics; and
+`generate()` is start, steps, finish. The worker interleaves the steps of several states.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from dflash.engine.config import DrafterConfig, SamplingParams
-from dflash.engine.drafter import DFlashDrafter, load_drafter
-from dflash.engine.loop import speculative_generate
+from dflash.engine import loop
+from dflash.engine.config import DrafterConfig, PolicyConfig, SamplingParams
+from dflash.engine.costs import CostCurve, load_or_measure
+from dflash.engine.drafter import DFlashDrafter
+from dflash.engine.policy import BlockPolicy, Prior, explain
+from dflash.engine.state import DecodeState, DrafterInUse, StepResult
 from dflash.engine.stats import GenerationStats
+from dflash.engine.stops import StopStrings
 from dflash.engine.target import TargetModel
+from dflash.engine.versions import label as version_label
+from dflash.engine.versions import load_versioned, model_digest
 from dflash.errors import DFlashError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,7 +37,7 @@ class GenerationRequest:
     input_ids: list[int] | None = None
     chat: bool = False
     max_new_tokens: int = 128
-    block_size: int | None = None  # None: the drafter's trained block size
+    block_size: int | None = None  # None: `auto`, chosen per step; 1..B: that length every step
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -37,6 +45,9 @@ class GenerationRequest:
     verify: str | None = None
     stop: list[str] = field(default_factory=list)
     stop_ids: list[int] = field(default_factory=list)
+    # Pooled per-position counts of earlier generations of the same workload (auto only):
+    # {"accepted": [...], "judged": [...]}, as GenerationStats counts them.
+    prior: dict | None = None
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.verify)
@@ -87,24 +98,60 @@ def check_compatible(target: TargetModel, cfg: DrafterConfig) -> None:
         )
 
 
+def resolve_draft_dtype(choice, target: TargetModel) -> torch.dtype:
+    """The dtype the drafter computes in. None: the target's (drafts bit-identical to the
+    reference implementation's at fp32). "auto": bfloat16 where the target runs fp32 on a CPU
+    with native bf16 matrix instructions (AVX-512 BF16 / AMX; the published drafters are
+    bf16 weights anyway), else the target's. Or a dtype name."""
+    if choice is None:
+        return target.dtype
+    if isinstance(choice, torch.dtype):
+        return choice
+    if choice == "auto":
+        native_bf16 = target.device.type == "cpu" and torch.backends.mkldnn.is_available() and bool(
+            torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return torch.bfloat16 if native_bf16 and target.dtype == torch.float32 else target.dtype
+    if choice not in DTYPES:
+        raise DFlashError("bad_dtype", f"draft dtype must be auto or one of {', '.join(DTYPES)}, got '{choice}'")
+    return DTYPES[choice]
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 class Engine:
-    def __init__(self, target: TargetModel, drafter: DFlashDrafter, drafter_name: str = "drafter", random_drafter=False):
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: DFlashDrafter,
+        drafter_name: str = "drafter",
+        random_drafter=False,
+        *,
+        cost_curve: CostCurve | None = None,
+        cost_dir: Path | None = None,
+        policy_config: PolicyConfig = PolicyConfig(),
+        drafter_sha256: str | None = None,
+        draft_dtype: str | torch.dtype | None = None,
+    ):
         check_compatible(target, drafter.config)
         self.target = target
-        self.drafter = drafter.to(device=target.device, dtype=target.dtype)
-        self.drafter_name = drafter_name
+        self.draft_dtype = resolve_draft_dtype(draft_dtype, target)
+        w = target.lm_head.weight.detach()
+        self.draft_head = w if w.dtype == self.draft_dtype else w.to(self.draft_dtype)
         self.random_drafter = random_drafter
         self.tokenizer = target.tokenizer
-        cfg = drafter.config
-        # The mask rows of every block are the same: embed them once.
-        self.mask_embeds = target.embed(torch.full((cfg.block_size,), cfg.mask_token_id, device=target.device))
+        self._install(drafter, drafter_name, drafter_sha256)
+        self.policy_config = policy_config
+        self.cost_dir = cost_dir
+        self._cost_curve = cost_curve
+        # Counts of recent `auto` generations: the starting prior of requests that bring none.
+        self.recent_counts: deque[dict] = deque(maxlen=200)
+        self._max_token_chars = None
 
     @classmethod
-    def load(cls, target_dir, drafter_dir, device: str = "cpu", dtype: str = "float32", random_drafter=False):
+    def load(cls, target_dir, drafter_dir, device: str = "cpu", dtype: str = "float32", random_drafter=False,
+             cost_dir: Path | None = None, draft_dtype: str | None = None):
         if dtype not in DTYPES:
             raise DFlashError("bad_dtype", f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -112,18 +159,76 @@ class Engine:
         if device != "cpu" and not device.startswith("cuda"):
             raise DFlashError("bad_device", f"device must be 'cpu' or 'cuda[:N]', got '{device}'")
         target = TargetModel.from_pretrained(target_dir, device=device, dtype=DTYPES[dtype])
-        drafter = load_drafter(drafter_dir, device=device, dtype=DTYPES[dtype])
-        return cls(target, drafter, drafter_name=Path(drafter_dir).name, random_drafter=random_drafter)
+        drafter, sha = load_versioned(drafter_dir, device=device, dtype=DTYPES[dtype])
+        return cls(target, drafter, drafter_name=Path(drafter_dir).name, random_drafter=random_drafter,
+                   cost_dir=cost_dir, drafter_sha256=sha, draft_dtype=draft_dtype)
+
+    # --- the drafter, and replacing it between steps --------------------------------------
+
+    def _install(self, drafter, name: str, sha256: str | None) -> None:
+        target = self.target
+        self.drafter = drafter.to(device=target.device, dtype=self.draft_dtype)
+        self.drafter_name = name
+        self.drafter_sha256 = sha256 if sha256 is not None else model_digest(drafter)
+        cfg = drafter.config
+        self.layer_ids = tuple(cfg.target_layer_ids)
+        # The mask rows of every block are the same: embed them once.
+        self.mask_embeds = target.embed(torch.full((cfg.block_size,), cfg.mask_token_id, device=target.device)).to(
+            self.draft_dtype)
+
+    @property
+    def drafter_version(self) -> str | None:
+        return version_label(self.drafter_sha256)
+
+    def in_use(self) -> DrafterInUse:
+        """The current drafter, as a state started now keeps it."""
+        return DrafterInUse(self.drafter, self.mask_embeds, self.drafter_name, self.drafter_version, self.draft_head)
+
+    def swap_drafter(self, drafter, name: str, sha256: str | None = None, random_drafter: bool = False) -> dict:
+        """Replace the drafter for states started from now on (call it between steps, on the
+        thread that steps). States already started keep the drafter they started with. A
+        drafter that does not fit the target is refused (DFlashError) and nothing changes.
+        The cost curve is kept when the new drafter has the old one's shapes (its forwards
+        cost the same) and measured again on next use otherwise; what recent generations
+        taught block length auto is forgotten (it was the old drafter's acceptance)."""
+        check_compatible(self.target, drafter.config)
+        before = {"drafter": self.drafter_name, "drafter_version": self.drafter_version}
+        same_shape = _geometry(drafter.config) == _geometry(self.drafter.config)
+        self._install(drafter, name, sha256)
+        self.random_drafter = random_drafter
+        if not same_shape:
+            self._cost_curve = None
+        self.recent_counts.clear()
+        return {"previous": before, "drafter": self.drafter_name, "drafter_version": self.drafter_version,
+                "cost_curve_kept": same_shape}
 
     @property
     def block_size(self) -> int:
         return self.drafter.config.block_size
 
+    @property
+    def cost_curve(self) -> CostCurve:
+        """The device's step prices, measured on first use (and cached on disk in cost_dir)."""
+        if self._cost_curve is None:
+            self._cost_curve = load_or_measure(self, self.cost_dir)
+        return self._cost_curve
+
     # --- requests ---------------------------------------------------------------------
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (byte-level vocabularies: a vocabulary
+        entry's length bounds the bytes it covers), so a prompt's length in characters
+        bounds its token count from below without tokenising it."""
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+            self._max_token_chars = max((len(t) for t in vocab), default=1) or 1
+        return self._max_token_chars
 
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
         if (req.prompt is None) == (req.input_ids is None):
             raise DFlashError("bad_prompt", "give exactly one of a prompt text or input ids")
+        ctx = self.target.context_length
         if req.input_ids is not None:
             ids = req.input_ids
             if not isinstance(ids, (list, tuple)) or not ids:
@@ -138,6 +243,14 @@ class Engine:
             raise DFlashError("empty_prompt", "the prompt is empty")
         if self.tokenizer is None:
             raise DFlashError("bad_prompt", "this target has no tokenizer; pass input ids instead")
+        # Refuse a prompt that cannot fit before tokenising it: tokenising megabytes would hold
+        # the engine for seconds, and every other caller with it.
+        at_least = math.ceil(len(req.prompt) / self.max_token_chars)
+        if at_least >= ctx:
+            raise DFlashError(
+                "context_exceeded",
+                f"prompt of {len(req.prompt)} characters is at least {at_least} tokens, past the context length {ctx}",
+            )
         if req.chat:
             if not self.tokenizer.chat_template:
                 raise DFlashError("bad_prompt", "this target's tokenizer has no chat template")
@@ -148,12 +261,13 @@ class Engine:
             ids = self.tokenizer(req.prompt).input_ids
         return list(ids)
 
-    def validate(self, req: GenerationRequest, n_prompt: int) -> int:
-        """Check the request's numbers; returns the block size to use."""
-        block = self.block_size if req.block_size is None else req.block_size
-        if not _is_int(block) or not 1 <= block <= self.block_size:
+    def validate(self, req: GenerationRequest, n_prompt: int) -> int | None:
+        """Check the request's numbers; returns the fixed block size, or None for auto."""
+        block = req.block_size
+        if block is not None and (not _is_int(block) or not 1 <= block <= self.block_size):
             raise DFlashError(
-                "bad_block_size", f"block size must be an integer from 1 to the drafter's {self.block_size}, got {block}"
+                "bad_block_size",
+                f"block size must be an integer from 1 to the drafter's {self.block_size} (or null: auto), got {block}",
             )
         if not _is_int(req.max_new_tokens) or req.max_new_tokens < 1:
             raise DFlashError("bad_max_new_tokens", f"max_new_tokens must be an integer >= 1, got {req.max_new_tokens}")
@@ -170,55 +284,115 @@ class Engine:
             raise DFlashError("bad_stop", "stop strings must be non-empty strings")
         if req.stop and self.tokenizer is None:
             raise DFlashError("bad_stop", "stop strings need a tokenizer")
+        check_prior(req.prior)
         return block
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    def generate(
-        self, req: GenerationRequest, on_step: Callable[[list[int]], str | None] | None = None
-    ) -> GenerationResult:
-        """`on_step(output_ids)` runs after prefill and after every step; it may return a finish
-        reason to end the generation there, or raise to abandon it (cancel, deadline)."""
+    # --- block-length policy --------------------------------------------------------------
+
+    def prior_for(self, req: GenerationRequest) -> Prior:
+        """The request's own workload prior, else what recent auto generations saw. A seeded
+        sampling request uses neither, so the same seed gives the same output."""
+        width = self.block_size - 1
+        cfg = self.policy_config
+        if req.prior is not None:
+            return Prior.from_counts(req.prior.get("accepted"), req.prior.get("judged"), width, cfg)
+        if req.seed is not None or not self.recent_counts:
+            return Prior.default(width, cfg)
+        pooled = pool_counts(self.recent_counts, width)
+        return Prior.from_counts(pooled["accepted"], pooled["judged"], width, cfg)
+
+    def explain_policy(self, prior: dict | None = None) -> dict:
+        """What `auto` expects and where it starts, for a workload's pooled counts."""
+        width = self.block_size - 1
+        p = (Prior.from_counts(prior.get("accepted"), prior.get("judged"), width, self.policy_config)
+             if prior else Prior.default(width, self.policy_config))
+        return explain(self.cost_curve, self.block_size, p, self.policy_config)
+
+    # --- decoding -------------------------------------------------------------------------
+
+    def start(self, req: GenerationRequest) -> DecodeState:
+        """Validate and tokenise the request, prefill, and return its state (holding the
+        first token)."""
         params = req.sampling()
         prompt_ids = self.prompt_ids(req)
-        block = self.validate(req, len(prompt_ids))
-
-        def step_hook(out: list[int]) -> str | None:
-            reason = on_step(out) if on_step is not None else None
-            if reason:
-                return reason
-            if req.stop:
-                text = self.decode(out)
-                if any(s in text for s in req.stop):
-                    return "stop"
-            return None
-
-        result = speculative_generate(
-            self.target,
-            self.drafter,
-            prompt_ids,
-            block_size=block,
+        fixed = self.validate(req, len(prompt_ids))
+        block = fixed if fixed is not None else self.block_size
+        policy = None
+        if fixed is None and block > 1:
+            policy = BlockPolicy(self.cost_curve, block, self.prior_for(req), self.policy_config)
+        speculative = block > 1
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device=self.target.device)
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        state = DecodeState(
+            prompt_ids=prompt_ids,
             params=params,
             max_new_tokens=req.max_new_tokens,
             stop_ids=frozenset(self.target.eos_ids) | frozenset(req.stop_ids),
-            mask_embeds=self.mask_embeds,
-            on_step=step_hook,
+            block_size=block,
+            policy=policy,
+            layer_ids=self.layer_ids if speculative else (),
+            target_cache=self.target.new_cache(),
+            draft_cache=self.drafter.new_cache() if speculative else None,
+            drafter=self.in_use(),
+            generator=gen,
+            stats=GenerationStats(block_size=block, policy="auto" if policy else "fixed",
+                                  prompt_tokens=len(prompt_ids)),
+            stops=StopStrings(self.decode, req.stop) if req.stop else None,
         )
-        ids, text = result.output_ids, self.decode(result.output_ids)
-        if req.stop:
-            ids, text = self._cut_at_stop_string(ids, text, req.stop)
-        result.stats.new_tokens = len(ids)
-        return GenerationResult(prompt_ids, ids, text, result.finish_reason, result.stats)
+        loop.prefill(self.target, state)
+        return state
 
-    def _cut_at_stop_string(self, ids: list[int], text: str, stops: list[str]) -> tuple[list[int], str]:
-        """Text ends before the first stop string; ids end with the token that completed it."""
-        hits = [text.find(s) for s in stops if s in text]
-        if not hits:
-            return ids, text
-        cut = min(hits)
-        first_stop = min((s for s in stops if s in text), key=text.find)
-        for n in range(1, len(ids) + 1):
-            if first_stop in self.decode(ids[:n]):
-                return ids[:n], text[:cut]
-        return ids, text[:cut]
+    def step(self, state: DecodeState) -> StepResult:
+        return loop.step(self.target, self.in_use(), state)
+
+    def finish(self, state: DecodeState) -> GenerationResult:
+        ids = state.output_ids
+        text = self.decode(ids)
+        if state.stops is not None and state.stops.hit_at is not None:
+            text = state.stops.cut(text)
+        state.stats.new_tokens = len(ids)
+        if state.policy is not None:
+            self.recent_counts.append(state.policy.counts())
+        return GenerationResult(state.prompt_ids, list(ids), text, state.finish_reason or "length", state.stats)
+
+    def generate(self, req: GenerationRequest) -> GenerationResult:
+        state = self.start(req)
+        while not state.done:
+            self.step(state)
+        return self.finish(state)
+
+
+def _geometry(cfg: DrafterConfig) -> tuple:
+    """What a drafter forward's price depends on."""
+    return (cfg.block_size, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim, len(cfg.target_layer_ids))
+
+
+def pool_counts(counts, width: int) -> dict:
+    """Add per-position counts of several generations (missing positions count 0)."""
+    acc, jud = [0] * width, [0] * width
+    for c in counts:
+        for i, (a, j) in enumerate(zip(c.get("accepted") or [], c.get("judged") or [])):
+            if i < width:
+                acc[i] += a
+                jud[i] += j
+    return {"accepted": acc, "judged": jud}
+
+
+def check_prior(prior):
+    """A workload prior as requests carry it: None, or per-position counts. Returns it."""
+    if prior is None:
+        return None
+    ok = isinstance(prior, dict) and set(prior) <= {"accepted", "judged"}
+    for key in ("accepted", "judged"):
+        values = prior.get(key) if isinstance(prior, dict) else None
+        ok = ok and isinstance(values, list) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in values)
+    if not ok:
+        raise DFlashError("bad_prior", 'prior must be {"accepted": [counts], "judged": [counts]} of numbers >= 0')
+    return prior

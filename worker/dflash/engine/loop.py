@@ -1,136 +1,136 @@
-"""The speculative loop: prefill, then draft a block / verify it / keep the agreeing prefix.
+"""The speculative loop as two functions over a DecodeState: prefill, and one step.
 
-Block size 1 runs the same loop with no drafts, i.e. plain autoregressive
-decoding; that is the speed baseline. Greedy output equals the target's own
-greedy output because every committed token is the target's choice given the
-committed prefix.
+One step: the drafter runs once over `[anchor, MASK * (D-1)]`, seeing the features of
+every token committed since its last call; the target verifies `[anchor, drafts]` (L
+tokens) in one forward; a verify rule keeps a prefix of the drafts and adds one token of
+the target's own. D = L = 1 is a plain autoregressive step through the same code. Greedy
+output equals the target's own greedy output because every committed token is the
+target's choice given the committed prefix.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from dflash.engine.config import SamplingParams
-from dflash.engine.drafter import DFlashDrafter
 from dflash.engine.sampling import sample, verify_greedy, verify_probabilistic, verify_strict, warp
-from dflash.engine.stats import GenerationStats
+from dflash.engine.state import DecodeState, DrafterInUse, StepResult
 from dflash.engine.target import TargetModel
 
 
-@dataclass
-class LoopOutput:
-    output_ids: list[int]  # new tokens only, truncated at the first stop
-    finish_reason: str  # "stop" | "length" | "context" | whatever on_step returned
-    stats: GenerationStats
+def _first_token(logits: torch.Tensor, state: DecodeState) -> int:
+    if state.params.greedy:
+        return int(logits.argmax())
+    return int(sample(warp(logits, state.params), state.generator))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def speculative_generate(
-    target: TargetModel,
-    drafter: DFlashDrafter | None,
-    prompt_ids: list[int],
-    *,
-    block_size: int,
-    params: SamplingParams,
-    max_new_tokens: int,
-    stop_ids: frozenset[int] = frozenset(),
-    mask_embeds: torch.Tensor | None = None,
-    on_step: Callable[[list[int]], str | None] | None = None,
-) -> LoopOutput:
-    """Generate up to `max_new_tokens` after `prompt_ids` (already validated).
-
-    `mask_embeds` [>= block_size-1, H] are the target embeddings of the mask token,
-    computed once by the caller. `on_step(output_ids)` runs after every step and may
-    return a finish reason (a stop string was seen) or raise (cancelled, deadline).
-    """
-    device = target.device
-    stats = GenerationStats(block_size=block_size, prompt_tokens=len(prompt_ids))
-    gen = None
-    if not params.greedy:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(params.seed if params.seed is not None else torch.seed())
-    mode = params.verify_mode
-    speculative = block_size > 1
-
-    # --- prefill: cache the prompt, take the first token and the prompt's features
-    t0 = time.perf_counter()
-    target.reset(drafter.config.target_layer_ids if speculative else [])
-    logits, pending = target.forward(torch.tensor(prompt_ids, device=device), last_only=True)
-    first = int(logits[-1].argmax()) if params.greedy else int(sample(warp(logits[-1], params), gen))
-    stats.prefill_s = time.perf_counter() - t0
-
-    out = [first]
-    finish = "stop" if first in stop_ids else None
-    if finish is None and on_step is not None:
-        finish = on_step(out)
-    draft_cache = drafter.new_cache() if speculative else None
-    t_decode = time.perf_counter()
-
-    while finish is None and len(out) < max_new_tokens:
-        start = len(prompt_ids) + len(out) - 1  # position of the anchor (last committed token)
-        # The sequence may not grow past the context: the last verify ends at position ctx - 2.
-        L = min(block_size, target.context_length - 1 - start)
-        if L < 1:
-            finish = "context"
+def commit(state: DecodeState, tokens: list[int]) -> list[int]:
+    """Append tokens until a stop id, a stop string or max_new_tokens; returns those kept."""
+    kept = []
+    for tok in tokens:
+        state.output_ids.append(tok)
+        kept.append(tok)
+        if tok in state.stop_ids or (state.stops is not None and state.stops.feed(tok)):
+            state.finish_reason = "stop"
+        elif len(state.output_ids) >= state.max_new_tokens:
+            state.finish_reason = "length"
+        if state.finish_reason:
             break
-        anchor = torch.tensor([out[-1]], device=device)
+    return kept
 
-        # --- draft: one drafter forward over [anchor, MASK * (L-1)]
-        t = time.perf_counter()
-        if L > 1:
-            block = torch.cat((target.embed(anchor), mask_embeds[: L - 1]))[None]
-            positions = torch.arange(draft_cache.length, start + L, device=device)
-            with torch.inference_mode():
-                hidden = drafter(pending[None], block, positions, draft_cache)
-            draft_logits = target.logits(hidden[0, 1:])
-            if mode == "probabilistic":
-                draft_probs = warp(draft_logits, params)
-                drafts = sample(draft_probs, gen)
-            else:
-                drafts = draft_logits.argmax(-1)
-        else:
-            drafts = torch.empty(0, dtype=torch.long, device=device)
-        _sync(device)
-        stats.draft_s += time.perf_counter() - t
 
-        # --- verify: one target forward over the whole block
-        t = time.perf_counter()
-        logits, feats = target.forward(torch.cat((anchor, drafts)))
-        _sync(device)
-        stats.verify_s += time.perf_counter() - t
+def prefill(target: TargetModel, state: DecodeState) -> None:
+    """Cache the prompt, take the first token, keep the prompt's features for the drafter."""
+    t = time.perf_counter()
+    logits, feats = target.forward(
+        torch.tensor(state.prompt_ids, device=target.device), state.target_cache, state.layer_ids, last_only=True
+    )
+    if feats is not None:
+        state.pending.append(feats)
+    commit(state, [_first_token(logits[-1], state)])
+    state.stats.prefill_s = time.perf_counter() - t
 
-        if mode == "greedy":
-            a, nxt = verify_greedy(drafts, logits)
-        elif mode == "strict":
-            a, nxt = verify_strict(drafts, warp(logits, params), gen)
-        else:
-            p = warp(logits, params)
-            a, nxt = (verify_probabilistic(drafts, draft_probs, p, gen) if L > 1 else (0, int(sample(p[0], gen))))
-        draft_list = drafts.tolist()
-        stats.record(draft_list, a)
 
-        # --- commit: anchor + a drafts are now in the target cache; feed their features next
-        target.crop(start + a + 1)
-        if speculative:
-            pending = feats[: a + 1]
-        for tok in draft_list[:a] + [nxt]:
-            out.append(tok)
-            if tok in stop_ids:
-                finish = "stop"
-                break
-            if len(out) >= max_new_tokens:
-                break
-        if finish is None and on_step is not None:
-            finish = on_step(out)
+def _draft(target, drafting: DrafterInUse, state: DecodeState, anchor: torch.Tensor, draft_len: int, start: int):
+    """One drafter forward over [anchor, MASK * (draft_len - 1)]. Returns the drafts, their
+    distributions (probabilistic verify only) and each position's confidence (the draft
+    distribution's peak; auto only)."""
+    ctx = torch.cat(state.pending) if len(state.pending) > 1 else state.pending[0]
+    state.pending.clear()
+    positions = torch.arange(state.draft_cache.length, start + draft_len, device=anchor.device)
+    logits = drafting.logits(ctx, target.embed(anchor), draft_len, positions, state.draft_cache)
+    probs = None
+    if state.params.verify_mode == "probabilistic":
+        probs = warp(logits, state.params)
+        drafts = sample(probs, state.generator)
+        confidence = probs.max(-1).values if state.policy is not None else None
+    else:
+        drafts = logits.argmax(-1)
+        confidence = logits.softmax(-1).max(-1).values if state.policy is not None else None
+    return drafts, probs, confidence
 
-    stats.decode_s = time.perf_counter() - t_decode
-    stats.new_tokens = len(out)
-    return LoopOutput(out, finish or "length", stats)
+
+def _verify(logits: torch.Tensor, drafts: torch.Tensor, draft_probs, state: DecodeState) -> tuple[int, int]:
+    mode = state.params.verify_mode
+    if mode == "greedy":
+        return verify_greedy(drafts, logits)
+    p = warp(logits, state.params)
+    if mode == "strict":
+        return verify_strict(drafts, p, state.generator)
+    if len(drafts) == 0:
+        return 0, int(sample(p[0], state.generator))
+    return verify_probabilistic(drafts, draft_probs, p, state.generator)
+
+
+def step(target: TargetModel, drafting: DrafterInUse, state: DecodeState) -> StepResult:
+    """Draft, verify and commit once. The state must not be done. A state that carries its
+    own drafter (it was started before a hot swap) drafts with that one, not the given one."""
+    if state.drafter is not None:
+        drafting = state.drafter
+    t_step = time.perf_counter()
+    device = target.device
+    start = state.length - 1  # position of the anchor (the last committed token)
+    anchor_id = state.output_ids[-1]
+    # The sequence may not grow past the context: the last verify ends at position ctx - 2.
+    room = target.context_length - 1 - start
+    if room < 1:
+        state.finish_reason = "context"
+        return StepResult(anchor_id, [], 0, anchor_id, [], 1, 1, "context")
+    policy = state.policy
+    if policy is None:
+        draft_len = min(state.block_size, room)
+    else:  # auto never drafts what it could not commit
+        draft_len = min(policy.draft_length(), room, state.max_new_tokens - len(state.output_ids))
+    anchor = torch.tensor([anchor_id], device=device)
+
+    t = time.perf_counter()
+    drafts = torch.empty(0, dtype=torch.long, device=device)
+    draft_probs, confidence = None, []
+    if draft_len > 1:
+        drafts, draft_probs, conf = _draft(target, drafting, state, anchor, draft_len, start)
+        if policy is not None:
+            confidence = conf.tolist()
+            verify_len = policy.verify_length(confidence)
+            drafts = drafts[: verify_len - 1]
+            draft_probs = draft_probs[: verify_len - 1] if draft_probs is not None else None
+    state.stats.draft_s += time.perf_counter() - t
+
+    t = time.perf_counter()
+    logits, feats = target.forward(torch.cat((anchor, drafts)), state.target_cache, state.layer_ids)
+    accepted, nxt = _verify(logits, drafts, draft_probs, state)
+    state.stats.verify_s += time.perf_counter() - t
+
+    draft_list = drafts.tolist()
+    verify_len = len(draft_list) + 1
+    state.stats.record(draft_list, accepted, draft_len if draft_len > 1 else 0)
+    if policy is not None:
+        policy.observe(confidence, verify_len, accepted, draft_len)
+    # Commit: the anchor and the kept drafts are now in the target's cache; their features
+    # are what the drafter sees next.
+    target.crop(state.target_cache, start + accepted + 1)
+    if feats is not None:
+        state.pending.append(feats[: accepted + 1])
+    committed = commit(state, draft_list[:accepted] + [nxt])
+    state.stats.decode_s += time.perf_counter() - t_step
+    return StepResult(anchor_id, draft_list, accepted, nxt, committed, draft_len, verify_len, state.finish_reason)

@@ -17,7 +17,11 @@ from dflash.engine.config import SamplingParams
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, then top-p; returns fp32 probabilities over the last dim."""
-    logits = logits.float() / params.temperature
+    # Shift before dividing: with a tiny temperature (1e-40 is valid) the quotient of raw
+    # logits overflows to inf and inf - inf is NaN; shifted logits are <= 0, so the top
+    # stays 0 and the rest can only run to -inf (probability 0).
+    logits = logits.float()
+    logits = (logits - logits.max(-1, keepdim=True).values) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

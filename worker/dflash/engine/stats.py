@@ -1,33 +1,58 @@
-"""Per-generation statistics, in vLLM's spec-decode vocabulary.
+"""Per-generation statistics, in vLLM's spec-decode vocabulary, as additive counters.
 
-tau (mean acceptance length) counts accepted drafts + 1 per step, as vLLM and
-the DFlash paper do; acceptance rate is accepted / drafted.
+A step verifies `verify_len` tokens: the anchor plus `verify_len - 1` drafts (a plain step
+verifies only the anchor). τ (mean acceptance length) counts accepted drafts + 1 per step,
+pooled (accepted + steps over steps), as vLLM and the DFlash paper do; acceptance rate is
+accepted / drafted. Per draft position i (1-based) two counters say how often the
+position was *judged* (verified, with every earlier draft accepted) and how often it was
+*accepted*: their ratio is the conditional acceptance that the block-length policy and
+the SQL workload priors use. Counters add, so statistics pool across generations.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 
 @dataclass
 class StepRecord:
-    draft_ids: list[int]
+    draft_ids: list[int]  # the drafts that were verified (verify length - 1 of them)
     accepted: int
+    drafted: int = 0  # block positions the drafter computed (0: no drafter forward)
+
+
+def _add_at(counts: list[int], n: int) -> None:
+    for i in range(n):
+        counts[i] += 1
 
 
 @dataclass
 class GenerationStats:
-    block_size: int
+    block_size: int  # the largest verify length allowed (fixed size, or the drafter's for auto)
+    policy: str = "fixed"  # "fixed" | "auto"
     prompt_tokens: int = 0
     new_tokens: int = 0
     steps: list[StepRecord] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    judged_per_position: list[int] = field(default_factory=list)
+    verify_lengths: Counter = field(default_factory=Counter)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
 
-    def record(self, draft_ids: list[int], accepted: int) -> None:
-        self.steps.append(StepRecord(draft_ids, accepted))
+    def __post_init__(self):
+        width = max(self.block_size - 1, 0)
+        self.accepted_per_position = self.accepted_per_position or [0] * width
+        self.judged_per_position = self.judged_per_position or [0] * width
+
+    def record(self, draft_ids: list[int], accepted: int, drafted: int = 0) -> None:
+        self.steps.append(StepRecord(draft_ids, accepted, drafted))
+        self.verify_lengths[len(draft_ids) + 1] += 1
+        _add_at(self.accepted_per_position, accepted)
+        # Position i is judged when it was verified and positions < i were all accepted.
+        _add_at(self.judged_per_position, min(accepted + 1, len(draft_ids)))
 
     @property
     def num_steps(self) -> int:
@@ -39,7 +64,11 @@ class GenerationStats:
 
     @property
     def accepted(self) -> int:
-        return sum(s.accepted for s in self.steps)
+        return sum(self.accepted_per_position)
+
+    @property
+    def drafting_steps(self) -> int:
+        return sum(1 for s in self.steps if s.draft_ids)
 
     @property
     def tau(self) -> float | None:
@@ -48,15 +77,6 @@ class GenerationStats:
     @property
     def acceptance_rate(self) -> float | None:
         return self.accepted / self.drafted if self.drafted else None
-
-    @property
-    def accepted_per_position(self) -> list[int]:
-        """counts[i] = steps whose draft at position i+1 was accepted."""
-        counts = [0] * max(self.block_size - 1, 0)
-        for s in self.steps:
-            for i in range(s.accepted):
-                counts[i] += 1
-        return counts
 
     @property
     def overhead_s(self) -> float:
@@ -70,15 +90,19 @@ class GenerationStats:
     def to_dict(self) -> dict:
         return {
             "block_size": self.block_size,
+            "block_policy": self.policy,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "num_steps": self.num_steps,
+            "drafting_steps": self.drafting_steps,
             "steps": [{"draft_ids": s.draft_ids, "accepted": s.accepted} for s in self.steps],
             "drafted": self.drafted,
             "accepted": self.accepted,
             "tau": self.tau,
             "acceptance_rate": self.acceptance_rate,
-            "accepted_per_position": self.accepted_per_position,
+            "accepted_per_position": list(self.accepted_per_position),
+            "judged_per_position": list(self.judged_per_position),
+            "verify_length_histogram": {str(k): v for k, v in sorted(self.verify_lengths.items())},
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "draft_s": self.draft_s,

@@ -4,7 +4,9 @@ The speculative loop needs four things from the target: logits, the hidden
 features of the drafter's `target_layer_ids` (id i = output of decoder layer i =
 `hidden_states[i + 1]`), its embedding table (for the drafter's block) and LM
 head (for the drafter's logits), and a KV cache it can crop back to the
-committed length after a partial acceptance. Written for transformers 5.x.
+committed length after a partial acceptance. The adapter is stateless: each request's
+decode state owns its cache (`new_cache()`), so requests can take turns on one model.
+Written for transformers 5.x.
 """
 
 from __future__ import annotations
@@ -38,8 +40,6 @@ class TargetModel:
         self.dtype = next(model.parameters()).dtype
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
-        self.layer_ids: list[int] = []
-        self.cache = None
         eos = getattr(model.generation_config, "eos_token_id", None) or getattr(cfg, "eos_token_id", None)
         self.eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
 
@@ -61,41 +61,44 @@ class TargetModel:
         tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
         return cls(model.to(device), tokenizer, name=path.name)
 
-    # --- state --------------------------------------------------------------------
+    # --- the cache: owned by the caller's decode state, never by the model ---------------
 
-    def reset(self, layer_ids: list[int]) -> None:
-        """Start a new sequence with an empty cache, collecting these layers' features."""
-        self.layer_ids = list(layer_ids)
-        self.cache = DynamicCache(config=self.model.config)
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
 
-    @property
-    def cached_length(self) -> int:
-        return self.cache.get_seq_length() if self.cache is not None else 0
+    @staticmethod
+    def cache_length(cache) -> int:
+        return cache.get_seq_length()
 
-    def crop(self, length: int) -> None:
+    @staticmethod
+    def crop(cache, length: int) -> None:
         """Drop K/V of positions >= length (rejected draft tokens)."""
-        extra = self.cached_length - length
+        extra = cache.get_seq_length() - length
         if extra > 0:
-            self.cache.crop(-extra)
+            cache.crop(-extra)
 
     # --- forwards -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run `ids` [T] after the cached prefix. Returns logits [T or 1, V] (fp32)
-        and the concatenated features [T, n_feat * H] (None when no layers are asked for)."""
-        want = bool(self.layer_ids)
+    def forward(
+        self, ids: torch.Tensor, cache, layer_ids: tuple[int, ...] | list[int] = (), last_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run `ids` [T] after the prefix held in `cache` (which grows by T). Returns logits
+        [T or 1, V] (fp32) and the concatenated features of `layer_ids` [T, n_feat * H]
+        (None when no layers are asked for). Only the asked-for hidden states are kept:
+        transformers takes a list of indices for `output_hidden_states` and stores None
+        for the rest."""
         out = self.model(
             input_ids=ids[None],
-            cache=self.cache,
+            cache=cache,
             use_cache=True,
-            output_hidden_states=want,
+            output_hidden_states=[i + 1 for i in layer_ids] if layer_ids else False,
             logits_to_keep=1 if last_only else 0,
         )
         feats = None
-        if want:
+        if layer_ids:
             hs = out.hidden_states
-            feats = torch.cat([hs[i + 1][0] for i in self.layer_ids], dim=-1)
+            feats = torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1)
         return out.logits[0].float(), feats
 
     @torch.inference_mode()

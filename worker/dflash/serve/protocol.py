@@ -7,7 +7,10 @@ Request:  {"v": 1, "id": "<request id>", "op": "<operation>", "params": {...}, "
 Response: {"v": 1, "id": "<same id>", "ok": true,  "result": {...}}
           {"v": 1, "id": "<same id>", "ok": false, "error": {"code": "...", "message": "..."}}
 
-Operations: hello, status, generate, generate_block, embed, cancel (params {"request_id": ...}).
+Operations: hello, status, generate, generate_block, embed, cancel (params {"request_id": ...}),
+explain_policy (params {"prior": {"accepted": [...], "judged": [...]}}), reload_drafter (params
+{"path": folder under the worker's drafter roots (default: the current drafter's folder again),
+"sha256": the weights' expected digest}).
 `timeout_ms` is the request's deadline relative to its arrival; past it the worker stops
 decoding and answers with error code "deadline".
 """
@@ -24,7 +27,24 @@ PROTOCOL_VERSION = 1
 DEFAULT_SOCKET = "/run/dflash/worker.sock"
 DEFAULT_MAX_FRAME = 8 * 1024 * 1024
 HEADER = struct.Struct("!I")
-OPERATIONS = ("hello", "status", "generate", "generate_block", "embed", "cancel")
+OPERATIONS = ("hello", "status", "generate", "generate_block", "embed", "cancel", "explain_policy",
+              "reload_drafter")
+
+# The generation options a SQL caller or a generate-on-insert table may set.
+GENERATE_OPTIONS = ("max_new_tokens", "temperature", "block_size", "top_p", "top_k", "seed", "chat")
+
+# Worker error codes that mean the caller's input was wrong (SQLSTATE 22023 in SQL).
+BAD_INPUT = (
+    "bad_params empty_prompt bad_prompt bad_input_ids bad_block_size bad_max_new_tokens bad_temperature "
+    "bad_top_p bad_top_k bad_verify bad_seed bad_stop bad_prior empty_text"
+).split()
+
+
+def wants_prior(params: dict) -> bool:
+    """Whether a generation should start from its workload's pooled acceptance: only with
+    block length auto (no block_size), and not when a seed asks for a reproducible sample
+    (the prior steers the block lengths, and so which random draws are used)."""
+    return params.get("block_size") is None and params.get("seed") is None
 
 
 class ProtocolError(Exception):
@@ -78,8 +98,25 @@ def recv_frame(
         obj = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"frame is not UTF-8 JSON: {exc}") from None
+    except RecursionError:  # the whole frame was read, so the connection can go on
+        raise ValueError("frame nests JSON too deeply") from None
     if not isinstance(obj, dict):
         raise ValueError("frame is not a JSON object")
+    return obj
+
+
+# PostgreSQL's text and jsonb cannot hold U+0000; a model can still produce it.
+NUL_REPLACEMENT = "\ufffd"
+
+
+def pg_text(obj):
+    """`obj` with U+0000 replaced by U+FFFD in every string, so a result can be stored."""
+    if isinstance(obj, str):
+        return obj.replace("\x00", NUL_REPLACEMENT)
+    if isinstance(obj, dict):
+        return {pg_text(k): pg_text(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [pg_text(v) for v in obj]
     return obj
 
 

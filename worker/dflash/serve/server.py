@@ -1,9 +1,10 @@
 """The worker: one process owns the models and serves many clients over a Unix socket.
 
 Threads: one accepts connections, one per connection reads frames and waits for its
-job, and one engine thread runs jobs one at a time from a bounded queue (the models
-are not shared between threads). A job stops within one engine step when it is
-cancelled (a `cancel` request or its client hanging up) or its deadline passes.
+job, and one engine thread owns the models. It takes jobs from a bounded queue and
+advances up to `max_active` generations one step each in turn, so one long generation
+never stalls another caller. A job stops within one engine step when it is cancelled (a
+`cancel` request or its client hanging up) or its deadline passes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.engine.engine import Engine, GenerationRequest
+import torch
+
+from dflash.engine.engine import Engine, GenerationRequest, check_compatible, check_prior
+from dflash.engine.state import DecodeState, StepResult
 from dflash.errors import DFlashError
 from dflash.serve.protocol import (
     DEFAULT_MAX_FRAME,
@@ -49,6 +53,7 @@ GENERATE_PARAMS = {
     "verify": (str, type(None)),
     "stop": (list,),
     "stop_ids": (list,),
+    "prior": (dict, type(None)),
 }
 
 
@@ -71,6 +76,12 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     reply: dict | None = None
+    owner: int | None = None  # the client process (peer pid) that may cancel it; None: internal
+    payload: object = None  # reload_drafter: the drafter read and checked off the engine thread
+
+    @property
+    def key(self) -> tuple[int | None, str]:
+        return (self.owner, self.id)
 
     def check(self) -> None:
         if self.cancel.is_set():
@@ -103,12 +114,21 @@ class Worker:
         embedder=None,
         socket_path: str = DEFAULT_SOCKET,
         max_queue: int = 64,
+        max_active: int = 4,
         max_frame: int = DEFAULT_MAX_FRAME,
         socket_group: str | None = None,
         allow_uids: list[int] | None = None,
         allow_gids: list[int] | None = None,
+        drafter_dir: str | Path | None = None,
+        drafter_roots: list[str | Path] = (),
     ):
         self.engine = engine
+        # reload_drafter without a path reads this folder again; with a path, only folders
+        # under the drafter roots load (a socket peer must not make the worker read anything else).
+        self.drafter_dir = Path(drafter_dir) if drafter_dir else None
+        self.drafter_roots = [Path(r).resolve() for r in drafter_roots]
+        self.learner = None  # dflash.serve.learn.Learner with --learn
+        self.last_activity = time.monotonic()
         self.embedder = embedder
         self.socket_path = Path(socket_path)
         self.max_frame = max_frame
@@ -116,12 +136,13 @@ class Worker:
         self.allow_uids = set(allow_uids or [])
         self.allow_gids = set(allow_gids or [])
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
-        self.jobs: dict[str, Job] = {}
+        self.jobs: dict[tuple[int | None, str], Job] = {}  # by (owner, request id): ids are per client
         self.lock = threading.Lock()
         self.started = time.monotonic()
         self.served = {op: 0 for op in OPERATIONS}
         self.tokens = 0
-        self.recent_tau: deque[float] = deque(maxlen=100)
+        self.recent_steps: deque[tuple[int, int]] = deque(maxlen=100)  # (accepted, steps) per generation
+        self.max_active = max_active
         self.listener: socket.socket | None = None
         self.stopping = threading.Event()
         self.threads: list[threading.Thread] = []
@@ -129,6 +150,9 @@ class Worker:
     # --- lifecycle ----------------------------------------------------------------------
 
     def start(self) -> None:
+        # The block-length policy prices steps by this device's cost curve: measure it (or
+        # read it from the disk cache) before serving, so no request waits for it.
+        self.engine.cost_curve
         self.listener = self._bind()
         for target, name in ((self._engine_loop, "engine"), (self._accept_loop, "accept")):
             t = threading.Thread(target=target, name=f"dflash-{name}", daemon=True)
@@ -198,7 +222,9 @@ class Worker:
         if self.socket_group:
             group = str(self.socket_group)
             os.chown(path, -1, int(group) if group.isdigit() else grp.getgrnam(group).gr_gid)
-        sock.listen(128)
+        # A burst of callers (one per PostgreSQL backend) must queue, not be refused: the
+        # kernel caps this at net.core.somaxconn.
+        sock.listen(socket.SOMAXCONN)
         sock.settimeout(0.2)
         return sock
 
@@ -238,7 +264,11 @@ class Worker:
                     if exc.code == "frame_too_large":  # cannot resynchronise: answer, then hang up
                         send_frame(conn, self._error(None, exc.code, exc.message))
                     return
-                reply = self._handle(conn, msg)
+                try:
+                    reply = self._handle(conn, msg)
+                except Exception as exc:  # a bug must not end the connection without an answer
+                    log.exception("request %r failed", msg.get("id"))
+                    reply = self._error(msg.get("id"), "internal", f"{type(exc).__name__}: {exc}")
                 if reply is None:  # the client hung up while its job ran
                     return
                 send_frame(conn, reply)
@@ -272,25 +302,40 @@ class Worker:
             self.served[op] += 1
         if op in ("hello", "status"):
             return {"v": PROTOCOL_VERSION, "id": rid, "ok": True, "result": self.status()}
+        if op == "explain_policy":  # arithmetic over the cost curve: no model, no engine thread
+            try:
+                result = self.engine.explain_policy(check_prior(params.get("prior")))
+            except DFlashError as exc:
+                return self._error(rid, exc.code, exc.message)
+            return {"v": PROTOCOL_VERSION, "id": rid, "ok": True, "result": result}
         if op == "cancel":
+            # Only the process that sent a request may cancel it (its PostgreSQL backend, say):
+            # another client is told nothing about it.
             target = params.get("request_id")
             with self.lock:
-                job = self.jobs.get(str(target))
-            if job is not None:
+                job = self.jobs.get((_peer_pid(conn), str(target)))
+            mine = job is not None
+            if mine:
                 job.cancel.set()
-            return {"v": PROTOCOL_VERSION, "id": rid, "ok": True, "result": {"cancelled": job is not None}}
+            return {"v": PROTOCOL_VERSION, "id": rid, "ok": True, "result": {"cancelled": mine}}
         if self.stopping.is_set():
             return self._error(rid, "shutting_down", "the worker is shutting down")
+        payload = None
+        if op == "reload_drafter":  # read the weights here, so the engine thread only swaps
+            try:
+                payload = self.read_drafter(params)
+            except DFlashError as exc:
+                return self._error(rid, exc.code, exc.message)
         deadline = time.monotonic() + timeout_ms / 1000.0 if timeout_ms else None
-        job = Job(rid, op, params, deadline)
+        job = Job(rid, op, params, deadline, owner=_peer_pid(conn), payload=payload)
         with self.lock:
-            if rid in self.jobs:
+            if job.key in self.jobs:  # only the same client can collide with its own ids
                 return self._error(rid, "duplicate_id", f"request id {rid} is already in flight")
             try:
                 self.queue.put_nowait(job)
             except queue.Full:
                 return self._error(rid, "busy", f"the worker queue is full ({self.queue.maxsize}); try again")
-            self.jobs[rid] = job
+            self.jobs[job.key] = job
         while not job.done.wait(0.02):
             if _hung_up(conn):
                 job.cancel.set()
@@ -298,102 +343,188 @@ class Worker:
                 return None
         return job.reply
 
-    def submit(self, op: str, params: dict, timeout_s: float | None = None) -> dict:
+    def submit(self, op: str, params: dict, timeout_s: float | None = None, payload=None) -> dict:
         """Run one operation on the engine thread from inside the worker (the queue consumer);
         waits for a queue slot rather than answering busy. Raises DFlashError on failure."""
-        job = Job(f"internal-{time.monotonic_ns()}", op, params, time.monotonic() + timeout_s if timeout_s else None)
+        job = Job(f"internal-{time.monotonic_ns()}", op, params, time.monotonic() + timeout_s if timeout_s else None,
+                  payload=payload)
         with self.lock:
-            self.jobs[job.id] = job
+            self.jobs[job.key] = job
         self.queue.put(job)
         job.done.wait()
         if not job.reply["ok"]:
             raise DFlashError(job.reply["error"]["code"], job.reply["error"]["message"])
         return job.reply["result"]
 
+    # --- the drafter, replaced between steps ---------------------------------------------
+
+    def read_drafter(self, params: dict) -> dict:
+        """Read and check the drafter a reload_drafter names (`path`: a folder under the
+        drafter roots; none: the current drafter's folder again; `sha256`: the digest its
+        weights must have). Runs on the caller's thread. Raises DFlashError."""
+        from dflash.engine.versions import load_versioned
+
+        unknown = sorted(set(params) - {"path", "sha256"})
+        if unknown:
+            raise DFlashError("bad_params", f"unknown reload_drafter parameters: {', '.join(unknown)}")
+        path, sha256 = params.get("path"), params.get("sha256")
+        for key, value in (("path", path), ("sha256", sha256)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise DFlashError("bad_params", f"parameter '{key}' must be a non-empty string")
+        if path is None:
+            if self.drafter_dir is None:
+                raise DFlashError("bad_params", "this worker's drafter was not loaded from a folder: give a path")
+            folder = self.drafter_dir
+        else:
+            folder = Path(path).resolve()
+            if not any(folder.is_relative_to(root) for root in self.drafter_roots):
+                raise DFlashError("forbidden_path", f"{path} is not under the worker's drafter roots "
+                                  "(dflash serve --drafter-root DIR)")
+        target = self.engine.target
+        try:
+            model, digest = load_versioned(folder, device=target.device, dtype=target.dtype)
+        except DFlashError:
+            raise
+        except Exception as exc:  # a half-written or foreign folder: refuse it, keep serving
+            raise DFlashError("bad_drafter", f"cannot load a drafter from {folder}: {type(exc).__name__}: {exc}")
+        check_compatible(target, model.config)
+        if sha256 is not None and digest != sha256:
+            raise DFlashError("bad_drafter", f"the drafter in {folder} has digest {digest}, not the expected {sha256}")
+        return {"model": model, "sha256": digest, "path": folder, "name": folder.name}
+
+    def reload_drafter(self, path: str | None = None, sha256: str | None = None) -> dict:
+        """Swap the drafter from inside the worker (the learner), as the operation does."""
+        params = {k: v for k, v in (("path", path), ("sha256", sha256)) if v is not None}
+        return self.submit("reload_drafter", params, payload=self.read_drafter(params))
+
+    def _swap(self, job: Job) -> None:
+        new = job.payload
+        result = self.engine.swap_drafter(new["model"], new["name"], new["sha256"])
+        self.drafter_dir = new["path"]
+        if not result["cost_curve_kept"]:
+            self.engine.cost_curve  # measure now, not inside a request's step
+        log.info("drafter %s (%s) replaced by %s (%s) from %s", result["previous"]["drafter"],
+                 result["previous"]["drafter_version"], result["drafter"], result["drafter_version"], new["path"])
+        self._ok(job, {**result, "drafter_sha256": new["sha256"], "path": str(new["path"])})
+
     # --- the engine thread --------------------------------------------------------------
 
     def _engine_loop(self) -> None:
+        """Admit jobs while there is room, then advance the active decodes one step each in
+        turn: a long generation slows the others down by its share but never blocks them,
+        and a cancel or a deadline is seen within one step."""
+        active: deque[Run] = deque()
+        closing = False
         while True:
-            job = self.queue.get()
-            if job is None:
-                return
-            try:
-                job.check()
-                result = self._run(job)
-                job.reply = {"v": PROTOCOL_VERSION, "id": job.id, "ok": True, "result": result}
-            except Stopped as exc:
-                job.reply = self._error(job.id, exc.code, exc.message)
-            except DFlashError as exc:
-                job.reply = self._error(job.id, exc.code, exc.message)
-            except Exception as exc:  # a bug must not kill the worker; say what happened
-                log.exception("request %s failed", job.id)
-                job.reply = self._error(job.id, "internal", f"{type(exc).__name__}: {exc}")
-            finally:
-                with self.lock:
-                    self.jobs.pop(job.id, None)
-                job.done.set()
+            while not closing and len(active) < self.max_active:
+                try:
+                    job = self.queue.get(block=not active)
+                except queue.Empty:
+                    break
+                if job is None:  # shutdown: finish what is active, admit nothing more
+                    closing = True
+                    break
+                run = self._guard(job, lambda job=job: self._begin(job))
+                if run is not None:
+                    active.append(run)
+            if not active:
+                if closing:
+                    return
+                continue
+            run = active.popleft()
+            if self._guard(run.job, lambda: self._advance(run)):
+                active.append(run)
+
+    def _guard(self, job: Job, work):
+        """Run one piece of a job's work; on any failure answer the job with an error."""
+        try:
+            job.check()
+            return work()
+        except (Stopped, DFlashError) as exc:
+            self._answer(job, self._error(job.id, exc.code, exc.message))
+        except Exception as exc:  # a bug must not kill the worker; say what happened
+            log.exception("request %s failed", job.id)
+            self._answer(job, self._error(job.id, "internal", f"{type(exc).__name__}: {exc}"))
+        return None
+
+    def _answer(self, job: Job, reply: dict) -> None:
+        job.reply = reply
+        with self.lock:
+            self.jobs.pop(job.key, None)
+            self.last_activity = time.monotonic()
+        job.done.set()
+
+    def _ok(self, job: Job, result: dict) -> None:
+        self._answer(job, {"v": PROTOCOL_VERSION, "id": job.id, "ok": True, "result": result})
 
     def _embedder(self):
         if self.embedder is None:
             raise DFlashError("no_embedder", "this worker was started without an embedding model")
         return self.embedder
 
-    def _run(self, job: Job) -> dict:
+    def _begin(self, job: Job) -> "Run | None":
+        """Validate and prefill a generation (or answer an embed or a drafter swap at once:
+        between two steps, so states already started keep their drafter)."""
+        if job.op == "reload_drafter":
+            self._swap(job)
+            return None
         if job.op == "embed":
             embedder = self._embedder()
             vectors = embedder.embed(job.params.get("texts"))
-            return {"model": embedder.name, "dim": embedder.dim, "embeddings": vectors}
+            self._ok(job, {"model": embedder.name, "dim": embedder.dim, "embeddings": vectors})
+            return None
         queue_ms = (time.monotonic() - job.queued_at) * 1000.0
+        params = dict(job.params)
         if job.op == "generate":
-            params = dict(job.params)
             remember = params.pop("remember", False)
             if not isinstance(remember, bool):
                 raise DFlashError("bad_params", f"parameter 'remember' must be bool, got {type(remember).__name__}")
-            request = generation_request(params)
             embedder = self._embedder() if remember else None  # refuse before decoding, not after
-            res = self.engine.generate(request, on_step=lambda out: job.check())
-            self._account(res)
-            out = res.to_dict()
-            out.update(self.model_ids(), queue_ms=queue_ms)
-            if embedder is not None and out["text"].strip():
-                out["memory"] = {"embedder": embedder.name,
-                                 "embedding": embedder.embed([memory_text(params.get("prompt") or "", out["text"])])[0]}
-            return out
-        if job.op == "generate_block":
-            return self._generate_block(job, queue_ms)
-        raise DFlashError("unknown_op", f"operation {job.op} is not run by the engine")
+        elif job.op == "generate_block":
+            embedder = None
+            block = params.get("block_size")
+            params["block_size"] = self.engine.block_size if block is None else block
+            if isinstance(params["block_size"], int) and not isinstance(params["block_size"], bool):
+                params["max_new_tokens"] = params["block_size"] + 1  # the first token, then one block
+            params.setdefault("chat", True)
+        else:
+            raise DFlashError("unknown_op", f"operation {job.op} is not run by the engine")
+        run = Run(job, self.engine.start(generation_request(params)), queue_ms, embedder, params.get("prompt"))
+        return run if not run.state.done else self._end(run)
 
-    def _generate_block(self, job: Job, queue_ms: float) -> dict:
-        """One draft-and-verify step: what the drafter proposed and what the target kept."""
-        params = dict(job.params)
-        block = params.get("block_size")
-        if block is None:
-            block = self.engine.block_size
-        if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= self.engine.block_size:
-            raise DFlashError(
-                "bad_block_size", f"block size must be an integer from 1 to the drafter's {self.engine.block_size}"
-            )
-        params.update(block_size=block, max_new_tokens=block + 1)
-        params.setdefault("chat", True)
-        calls = []
+    def _advance(self, run: "Run") -> bool:
+        """One step; True while the run goes on."""
+        run.last = self.engine.step(run.state)
+        if run.state.done or run.job.op == "generate_block":
+            self._end(run)
+            return False
+        return True
 
-        def after_step(out):
-            job.check()
-            calls.append(len(out))
-            return "block" if len(calls) > 1 else None  # the first call follows prefill
-
-        res = self.engine.generate(generation_request(params), on_step=after_step)
+    def _end(self, run: "Run") -> None:
+        res = self.engine.finish(run.state)
         self._account(res)
+        if run.job.op == "generate_block":
+            self._ok(run.job, {**self._block_result(res, run.last, run.queue_ms), **self.model_ids(run.state)})
+            return None
+        out = res.to_dict()
+        out.update(self.model_ids(run.state), queue_ms=run.queue_ms)
+        if run.embedder is not None and out["text"].strip():
+            text = memory_text(run.prompt or "", out["text"])
+            out["memory"] = {"embedder": run.embedder.name, "embedding": run.embedder.embed([text])[0]}
+        self._ok(run.job, out)
+        return None
+
+    def _block_result(self, res, step: StepResult | None, queue_ms: float) -> dict:
+        """generate_block's answer: what the drafter proposed after the target's first token
+        and what the target kept of it."""
         decode = self.engine.decode
-        out = res.output_ids
-        step = res.stats.steps[0] if res.stats.steps else None
         drafts = step.draft_ids if step else []
         a = step.accepted if step else 0
-        nxt = out[1 + a] if len(out) > 1 + a else None
+        nxt = step.next_token if step and len(step.committed) > a else None  # None: a stop came first
         return {
-            "block_size": block,
-            "anchor_id": out[0],
-            "anchor_text": decode(out[:1]),
+            "block_size": res.stats.block_size,
+            "anchor_id": res.output_ids[0],
+            "anchor_text": decode(res.output_ids[:1]),
             "draft_ids": drafts,
             "draft_text": decode(drafts),
             "accepted": a,
@@ -409,18 +540,24 @@ class Worker:
     def _account(self, res) -> None:
         with self.lock:
             self.tokens += res.stats.new_tokens
-            if res.stats.tau is not None:
-                self.recent_tau.append(res.stats.tau)
+            if res.stats.num_steps:
+                self.recent_steps.append((res.stats.accepted, res.stats.num_steps))
 
-    def model_ids(self) -> dict:
+    def model_ids(self, state: DecodeState | None = None) -> dict:
+        """The models that produced a state's result (the drafter it started with), or the
+        current ones."""
+        drafter = state.drafter if state is not None and state.drafter is not None else self.engine.in_use()
         return {
             "target": self.engine.target.name,
-            "drafter": self.engine.drafter_name,
+            "drafter": drafter.name,
+            "drafter_version": drafter.version,
             "random_drafter": self.engine.random_drafter,
         }
 
     def status(self) -> dict:
         with self.lock:
+            accepted = sum(a for a, _ in self.recent_steps)
+            steps = sum(n for _, n in self.recent_steps)
             return {
                 "protocol": PROTOCOL_VERSION,
                 **self.model_ids(),
@@ -428,21 +565,45 @@ class Worker:
                 "embedding_dim": self.embedder.dim if self.embedder else None,
                 "device": str(self.engine.target.device),
                 "dtype": str(self.engine.target.dtype).replace("torch.", ""),
+                "draft_dtype": str(self.engine.draft_dtype).replace("torch.", ""),
+                "threads": torch.get_num_threads(),
                 "block_size": self.engine.block_size,
+                "cost_curve": self.engine.cost_curve.to_dict(),
                 "uptime_s": time.monotonic() - self.started,
                 "requests_served": dict(self.served),
                 "in_flight": len(self.jobs),
                 "queued": self.queue.qsize(),
                 "max_queue": self.queue.maxsize,
+                "max_active": self.max_active,
                 "tokens_generated": self.tokens,
-                "recent_mean_tau": sum(self.recent_tau) / len(self.recent_tau) if self.recent_tau else None,
+                # Pooled over the last generations: (accepted drafts + steps) / steps.
+                "recent_tau": (accepted + steps) / steps if steps else None,
                 "pid": os.getpid(),
                 "ready": not self.stopping.is_set(),
+                "drafter_sha256": self.engine.drafter_sha256,
+                "learn": self.learner.status() if self.learner is not None else None,
             }
+
+
+@dataclass
+class Run:
+    """A generation the engine thread is advancing, step by step."""
+
+    job: Job
+    state: DecodeState
+    queue_ms: float
+    embedder: object | None
+    prompt: str | None
+    last: StepResult | None = None
 
 
 class _Idle(Exception):
     """An idle connection noticed the worker is stopping."""
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
 
 
 def _hung_up(conn: socket.socket) -> bool:

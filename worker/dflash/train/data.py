@@ -60,49 +60,88 @@ def read_prompt_file(path: Path) -> list[str]:
 
 
 def done_prompts(path: Path) -> set[str]:
+    return {r["prompt"] for r in load_records(path)} if Path(path).is_file() else set()
+
+
+def _windows_by_length(todo: list[str], lengths: list[int], batch_size: int, window: int) -> list[list[int]]:
+    """Batches of indices into `todo`: consecutive windows of `window` prompts (so any prefix of
+    the output is a random sample of the shuffled prompts), each sorted by prompt length before
+    it is cut into batches, so a batch pads little."""
+    batches = []
+    for w in range(0, len(todo), max(window, batch_size)):
+        idx = sorted(range(w, min(w + max(window, batch_size), len(todo))), key=lambda i: lengths[i])
+        batches += [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
+    return batches
+
+
+def _drop_cut_line(path: Path) -> None:
+    """Truncate a JSONL file after its last complete line (a killed writer may leave half a line)."""
     if not path.is_file():
-        return set()
-    return {json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()}
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with path.open("r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 @torch.inference_mode()
 def regenerate(target, prompts: Iterable[str], out: Path, max_new_tokens: int = 256, batch_size: int = 8,
-               chat: bool = True, deadline: float | None = None) -> int:
+               chat: bool = True, deadline: float | None = None, window: int = 0, before_batch=None) -> int:
     """Append {"prompt", "prompt_ids", "response_ids"} per prompt to `out` (JSONL); skips
     prompts already there. Greedy, batched with left padding, each row stopped at eos.
-    `deadline` (time.monotonic()) stops between batches; a later call resumes."""
+    `window` > batch_size sorts each window of that many prompts by length before batching.
+    `deadline` (time.monotonic()) stops between batches; a later call resumes.
+    `before_batch()` is called before each batch (e.g. to adapt the thread count)."""
     tok = target.tokenizer
     out.parent.mkdir(parents=True, exist_ok=True)
-    todo = [p for p in prompts if p not in done_prompts(out)]
+    _drop_cut_line(out)
+    done = done_prompts(out)
+    todo = [p for p in dict.fromkeys(prompts) if p not in done]
     pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_ids[0]
+
+    def encode(p: str) -> list[int]:
+        if chat:
+            return list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False))
+        return tok(p).input_ids
+
+    encoded = [encode(p) for p in todo]
     written = 0
     with out.open("a") as f, tqdm(total=len(todo), desc="regenerating responses", unit="prompt") as bar:
-        for i in range(0, len(todo), batch_size):
+        for batch_idx in _windows_by_length(todo, [len(x) for x in encoded], batch_size, window):
             if deadline is not None and time.monotonic() > deadline:
                 break
-            batch = todo[i : i + batch_size]
-            ids = [
-                tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                        return_dict=False) if chat else tok(p).input_ids
-                for p in batch
-            ]
+            if before_batch is not None:
+                before_batch()
+            batch, ids = [todo[i] for i in batch_idx], [encoded[i] for i in batch_idx]
             width = max(map(len, ids))
             input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=target.device)
             mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=target.device)
             gen = target.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                         do_sample=False, eos_token_id=target.eos_ids, pad_token_id=pad)
+            lines = []
             for prompt, prompt_ids, row in zip(batch, ids, gen[:, width:].tolist()):
                 resp = []
                 for t in row:
                     resp.append(t)
                     if t in target.eos_ids:
                         break
-                f.write(json.dumps({"prompt": prompt, "prompt_ids": prompt_ids, "response_ids": resp}) + "\n")
-                written += 1
+                lines.append(json.dumps({"prompt": prompt, "prompt_ids": prompt_ids, "response_ids": resp}) + "\n")
+            f.write("".join(lines))  # a batch lands whole or (killed mid-write) as a cut last line
             f.flush()
+            written += len(batch)
             bar.update(len(batch))
     return written
 
 
 def load_records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The complete records of a JSONL file; a last line cut by a killed writer is skipped
+    (its prompt counts as not done, so a resumed run answers it again)."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records

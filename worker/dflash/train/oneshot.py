@@ -1,16 +1,19 @@
-"""One prepared run on a borrowed accelerator: data, features, drafter and AR assistant,
-each stage bounded by a wall-clock deadline, so the whole run fits a fixed lease.
+"""One prepared drafter run on a borrowed accelerator, bounded by wall-clock deadlines.
 
-    python -m dflash.train.oneshot --out RUN --export OUT --prompt-file prompts.jsonl \
-        --data-min 3 --features-min 1 --train-min 4
+    python -m dflash.train.oneshot --out RUN --export OUT --train-min 10
 
-Stages (each resumable, as in `dflash train`): regenerate responses with the target until
-the data deadline, cache target features until the features deadline, then train the
-DFlash drafter and the autoregressive assistant (the `assisted-ar` baseline) side by side
-on the same GPU for the same wall-clock budget: the assistant in a child process, so each
-gets its own CUDA stream of work and neither waits for the other's Python. Loadable
-snapshots land in `--export` every minute, so a run cut short still leaves its latest
-drafter and assistant behind.
+It starts from the shipped training corpus (corpus.py: the target's answers, so no
+minute goes to regenerating them; `--answer-min M` answers missing prompts first), puts
+every answer's target features (and top-k soft targets with `--topk`) in device memory,
+and trains the drafter alone on the whole device: bf16, the block-sparse attention of
+blockwise.py, batches of `--block-tokens` block slots, the LM head only at weighted
+slots and in recomputed chunks. It starts from the shipped drafter (`--init-from`;
+`--init target` starts afresh) and continues its lineage. Every `--eval-min` minutes a
+τ estimate on held-out answers (simulate.py) keeps the best drafter; loadable snapshots
+land in `OUT/drafter` every minute and the best in `OUT/best`, so a lease cut short
+still leaves its work behind. `OUT/summary.json` reports sequences, tokens/s and achieved
+TFLOP/s against the card's peak. `--with-assistant` also trains the AR assistant (the
+`assisted-ar` baseline) in a child process, as the earlier runs did.
 """
 
 from __future__ import annotations
@@ -28,17 +31,27 @@ import torch
 
 from dflash.engine.target import TargetModel
 
+# Dense bf16 peak TFLOP/s of common cards (vendor figures, no sparsity), for the utilisation line.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0, "RTX 4090": 165.0}
+
 
 def _log(msg: str) -> None:
     print(f"[oneshot {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def peak_tflops(device: str) -> float | None:
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
 def assistant_main(args) -> None:
     from dflash.train.assistant import build_assistant, train_assistant
-    from dflash.train.data import load_records
+    from dflash.train.corpus import load_corpus
 
     target = TargetModel.from_pretrained(args.target, device=args.device)
-    records = load_records(Path(args.out) / "data.jsonl")
+    records = load_corpus(Path(args.corpus)) if args.corpus else load_corpus()
     model = build_assistant(target.model, args.assistant_layers)
     state = train_assistant(model, records, Path(args.out) / "assistant", lr=args.lr,
                             seqs_per_step=args.assistant_seqs, epochs=1000, time_budget_s=args.train_min * 60,
@@ -46,34 +59,46 @@ def assistant_main(args) -> None:
     _log(f"assistant: {state['step']} steps, {state['sequences']} sequences, {state['elapsed_s']:.0f} s")
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    from dflash.train.corpus import CORPUS_FILE
+
+    default_drafter = Path(__file__).parents[1] / "assets" / "drafters" / "smollm2-135m-instruct-dflash-b16"
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="run directory (data, features, checkpoints)")
-    p.add_argument("--export", required=True, help="where the loadable drafter/ and assistant/ go")
+    p.add_argument("--out", required=True, help="run directory (checkpoints)")
+    p.add_argument("--export", required=True, help="where drafter/, best/ and summary.json go")
     p.add_argument("--target", help="target folder (default: the embedded SmolLM2)")
-    p.add_argument("--features-dir", help="feature cache location (default RUN/features; /dev/shm is fastest)")
-    p.add_argument("--prompt-file", help="JSONL of prompts (default: collect them here)")
+    p.add_argument("--corpus", default=str(CORPUS_FILE), help="packed answers (.jsonl.xz with its manifest)")
+    p.add_argument("--answer-min", type=float, default=0.0, help="first answer prompts missing from the corpus")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--data-min", type=float, default=3.0)
-    p.add_argument("--features-min", type=float, default=1.0)
-    p.add_argument("--train-min", type=float, default=4.0)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--gen-batch", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")])
-    p.add_argument("--mask-token-id", type=int, default=16, help="as `dflash train` (SmolLM2: an unused special)")
-    p.add_argument("--num-anchors", type=int, default=48)
-    p.add_argument("--seqs-per-step", type=int, default=16)
-    p.add_argument("--pack", type=int, default=8, help="sequences per drafter forward")
+    p.add_argument("--train-min", type=float, default=10.0)
+    p.add_argument("--init-from", default=str(default_drafter), help="drafter folder to continue")
+    p.add_argument("--init", choices=["from", "target", "random"], default="from",
+                   help="'from': continue --init-from; 'target'/'random': a new drafter")
+    p.add_argument("--layers", type=int, default=4, help="new drafters only")
+    p.add_argument("--block-size", type=int, default=16, help="new drafters only")
+    p.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")], help="new drafters only")
+    p.add_argument("--mask-token-id", type=int, default=16, help="new drafters only (SmolLM2: an unused special)")
+    p.add_argument("--max-anchors", type=int, default=512)
+    p.add_argument("--seqs-per-step", type=int, default=64)
+    p.add_argument("--block-tokens", type=int, default=131072, help="block slots per forward (fill the card)")
+    p.add_argument("--head-chunk-rows", type=int, default=32768)
+    p.add_argument("--weighting", default="dpace", choices=["decay", "dpace", "uniform"])
+    p.add_argument("--loss-positions", type=int, help="only block slots 1..n carry loss")
+    p.add_argument("--topk", type=int, default=0, help="store the target's top-k logits as soft targets")
+    p.add_argument("--soft-mix", type=float, default=0.0, help="weight of the KL-to-top-k term")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--heldout", type=int, default=32, help="held-out answers per group (code, chat)")
+    p.add_argument("--eval-min", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--with-assistant", action="store_true", help="also train the AR assistant (shares the device)")
     p.add_argument("--assistant-layers", type=int, default=4)
     p.add_argument("--assistant-seqs", type=int, default=32)
-    p.add_argument("--no-assistant", action="store_true")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--assistant-only", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
 
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     from dflash.models import ensure_default_target
 
     args.target = args.target or str(ensure_default_target())
@@ -81,9 +106,13 @@ def main(argv=None) -> int:
         assistant_main(args)
         return 0
 
-    from dflash.train.data import collect_prompts, read_prompt_file
-    from dflash.train.pipeline import build_data, build_features, drafter_config_for, new_drafter
-    from dflash.train.trainer import TrainConfig, train
+    from dflash.engine.config import DrafterConfig
+    from dflash.train.corpus import load_corpus
+    from dflash.train.data import collect_prompts, regenerate, load_records
+    from dflash.train.features import DeviceFeatures
+    from dflash.train.pipeline import drafter_config_for, select, starting_drafter
+    from dflash.train.simulate import with_groups
+    from dflash.train.trainer import TrainConfig, save_with_lineage, train
 
     t0 = time.monotonic()
     out, export = Path(args.out), Path(args.export)
@@ -91,53 +120,76 @@ def main(argv=None) -> int:
     export.mkdir(parents=True, exist_ok=True)
     target = TargetModel.from_pretrained(args.target, device=args.device)
     _log(f"target on {target.device} ({time.monotonic() - t0:.0f} s)")
-    prompts = read_prompt_file(Path(args.prompt_file)) if args.prompt_file else collect_prompts()
-    t = time.monotonic()
-    records = build_data(target, prompts, out / "data.jsonl", max_new_tokens=args.max_new_tokens,
-                         gen_batch=args.gen_batch, deadline=t0 + args.data_min * 60)
-    _log(f"data: {len(records)} of {len(prompts)} prompts answered, "
-         f"{sum(len(r['response_ids']) for r in records)} response tokens ({time.monotonic() - t:.0f} s)")
+    records = load_corpus(Path(args.corpus))
+    if args.answer_min > 0:
+        extra = out / "answers.jsonl"
+        have = {r["prompt"] for r in records}
+        regenerate(target, [p for p in collect_prompts() if p not in have], extra, max_new_tokens=224,
+                   batch_size=1024 if target.device.type == "cuda" else 8,
+                   deadline=time.monotonic() + args.answer_min * 60)
+        records += load_records(extra)
+    _log(f"answers: {len(records)} ({sum(len(r['response_ids']) for r in records)} response tokens)")
 
-    dcfg = drafter_config_for(target, args.layers, args.block_size, args.target_layer_ids, args.mask_token_id)
+    if args.init == "from":
+        dcfg = DrafterConfig.from_file(Path(args.init_from) / "config.json")
+    else:
+        dcfg = drafter_config_for(target, args.layers, args.block_size, args.target_layer_ids, args.mask_token_id)
+    picked, held = select(records, None, args.heldout)
     t = time.monotonic()
-    cache = build_features(target, records, dcfg.target_layer_ids,
-                           Path(args.features_dir) if args.features_dir else out / "features",
-                           batch_tokens=16384 if target.device.type == "cuda" else 4096,
-                           deadline=t0 + (args.data_min + args.features_min) * 60)
-    _log(f"features: {len(cache.sequences)} sequences, {cache.rows} rows ({time.monotonic() - t:.0f} s)")
+    store = DeviceFeatures().build(target, picked, dcfg.target_layer_ids, topk=args.topk,
+                                   batch_tokens=65536 if target.device.type == "cuda" else 4096)
+    feat_s = time.monotonic() - t
+    _log(f"features: {len(store.sequences)} sequences, {store.rows} rows on {target.device} ({feat_s:.0f} s)")
 
-    train_s = args.train_min * 60
     child = None
-    if not args.no_assistant:
+    if args.with_assistant:
         cmd = [sys.executable, "-m", "dflash.train.oneshot", "--assistant-only", "--out", str(out), "--export",
                str(export), "--target", args.target, "--device", args.device, "--train-min", str(args.train_min),
-               "--assistant-layers", str(args.assistant_layers), "--assistant-seqs", str(args.assistant_seqs),
-               "--lr", str(args.lr), "--seed", str(args.seed)]
+               "--corpus", args.corpus, "--assistant-layers", str(args.assistant_layers),
+               "--assistant-seqs", str(args.assistant_seqs), "--lr", str(args.lr), "--seed", str(args.seed)]
         child = subprocess.Popen(cmd, env=dict(os.environ, TQDM_MININTERVAL="20"))
-    drafter = new_drafter(target, dcfg, "target", args.seed)
-    cfg = TrainConfig(epochs=1000, lr=args.lr, num_anchors=args.num_anchors, seqs_per_step=args.seqs_per_step,
-                      pack=args.pack, time_budget_s=train_s, schedule_by_time=True,
-                      checkpoint_minutes=1.0, reduced_vocab=False, snapshot_dir=str(export / "drafter"),
-                      seed=args.seed)
-    state = train(drafter, target, cache, out / "train", cfg)  # its last checkpoint also writes the snapshot
-    _log(f"drafter: {state['step']} steps, {state.get('sequences', 0)} sequences, {state['elapsed_s']:.0f} s")
+    drafter, lineage = starting_drafter(target, dcfg, args.init, Path(args.init_from) if args.init == "from" else None,
+                                        args.seed)
+    cfg = TrainConfig(epochs=1000, lr=args.lr, max_anchors=args.max_anchors, seqs_per_step=args.seqs_per_step,
+                      block_tokens=args.block_tokens, head_chunk_rows=args.head_chunk_rows, weighting=args.weighting,
+                      loss_positions=args.loss_positions, soft_mix=args.soft_mix, time_budget_s=args.train_min * 60,
+                      schedule_by_time=True, checkpoint_minutes=1.0, eval_minutes=args.eval_min,
+                      snapshot_dir=str(export / "drafter"), seed=args.seed,
+                      stage=f"oneshot on {args.device}: {args.weighting} weighting, soft mix {args.soft_mix}")
+    heldout = with_groups(store.sequences, held)
+    state = train(drafter, target, store, out / "train", cfg, heldout=heldout, lineage=lineage)
+    if (out / "train" / "best").is_dir():
+        import shutil
+
+        shutil.copytree(out / "train" / "best", export / "best", dirs_exist_ok=True)
+    else:
+        save_with_lineage(drafter, export / "best", state["lineage"])
+    _log(f"drafter: {state['step']} steps, {state['sequences']} sequences, {state['blocks']} blocks, "
+         f"{state['elapsed_s']:.0f} s, best held-out τ {state['best_tau']}")
     if child is not None:
-        child.wait(timeout=max(60.0, train_s))
+        child.wait(timeout=max(60.0, args.train_min * 60))
+    train_s = max(state["elapsed_s"], 1e-9)
+    achieved = state.get("flops", 0.0) / train_s / 1e12
+    peak = peak_tflops(args.device)
     summary = {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
-        "torch": torch.__version__, "prompts_answered": len(records), "sequences": len(cache.sequences),
-        "response_tokens": sum(len(r["response_ids"]) for r in records), "drafter_steps": state["step"],
-        "drafter_sequences": state.get("sequences", 0), "train_minutes": args.train_min,
-        "drafter_final_loss": state["losses"][-1][2] if state["losses"] else None,
+        "torch": torch.__version__, "answers": len(records), "sequences_in_memory": len(store.sequences),
+        "feature_seconds": round(feat_s, 1), "drafter_steps": state["step"], "sequence_passes": state["sequences"],
+        "blocks": state["blocks"], "train_seconds": round(train_s, 1),
+        "sequence_passes_per_s": round(state["sequences"] / train_s, 2),
+        "block_tokens_per_s": round(state["blocks"] * dcfg.block_size / train_s, 1),
+        "achieved_tflops": round(achieved, 6), "peak_tflops": peak,
+        "utilisation": round(achieved / peak, 4) if peak else None,
+        "best_heldout_tau": state["best_tau"], "evals": state["evals"],
+        "final_loss": state["losses"][-1][2] if state["losses"] else None,
         "total_s": round(time.monotonic() - t0, 1), "args": dict(vars(args)),
     }
-    (export / "summary.json").write_text(json.dumps(summary, indent=2))
+    (export / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     for name in ("losses.json", "loss.png"):
         if (out / "train" / name).is_file():
             (export / f"drafter-{name}").write_bytes((out / "train" / name).read_bytes())
-        if (out / "assistant" / name).is_file():
-            (export / f"assistant-{name}").write_bytes((out / "assistant" / name).read_bytes())
-    _log(f"done in {summary['total_s']:.0f} s")
+    _log(f"done in {summary['total_s']:.0f} s: {summary['sequence_passes_per_s']} sequence passes/s, "
+         f"{summary['achieved_tflops']} TFLOP/s" + (f" of {peak}" if peak else ""))
     return 0
 
 

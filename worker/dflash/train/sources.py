@@ -170,6 +170,11 @@ def topic_prompts(seed: int = 0, per_topic: int = 12) -> list[str]:
     return out
 
 
-def all_prompts(seed: int = 0) -> list[str]:
+def prompts_by_source(seed: int = 0) -> dict[str, list[str]]:
     # Man pages are capped so that command-line questions do not swamp the chat and code prompts.
-    return project_prompts() + topic_prompts(seed) + stdlib_prompts(seed) + man_prompts(seed, limit=6000)
+    return {"project": project_prompts(), "topics": topic_prompts(seed), "stdlib": stdlib_prompts(seed),
+            "man": man_prompts(seed, limit=6000)}
+
+
+def all_prompts(seed: int = 0) -> list[str]:
+    return [p for prompts in prompts_by_source(seed).values() for p in prompts]

@@ -1,0 +1,117 @@
+"""The Compose stack end to end: docker/compose.yaml with the images `make images` built.
+
+Up; one `dflash_generate` through the worker container (the real default models); one
+generate-on-insert row filled by the worker container's queue consumer (as role
+dflash_worker over the network); the containers' users, socket permissions and labels; down.
+Runs on the containers back end (a Docker engine and the built images)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from dflash.localpg import BACKEND_ENV, free_port
+from tests.conftest import REPO
+
+COMPOSE_FILE = REPO / "docker" / "compose.yaml"
+UP_TIMEOUT_S = 900  # worker start-up: models plus the cost-curve measurement (minutes on a busy CPU)
+
+
+def compose_command() -> list[str] | None:
+    """Debian 12 ships docker-compose (v1); newer engines have the `docker compose` plugin."""
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    return None
+
+
+class Stack:
+    def __init__(self, project: str):
+        self.base = [*compose_command(), "-f", str(COMPOSE_FILE), "-p", project]
+        self.env = {**os.environ, "DFLASH_PG_PORT": str(free_port())}
+
+    def run(self, *args: str, timeout: float = 300, check: bool = True) -> str:
+        done = subprocess.run([*self.base, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check and done.returncode != 0:
+            raise AssertionError(f"{' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        return done.stdout
+
+    def container(self, service: str) -> str:
+        return self.run("ps", "-q", service).strip()
+
+    @staticmethod
+    def health(container: str) -> str:
+        """healthy, starting, unhealthy, or the state of a container that stopped."""
+        state = subprocess.run(["docker", "inspect", "--format", "{{.State.Status}} {{.State.Health.Status}}",
+                                container], capture_output=True, text=True).stdout.split()
+        return state[1] if state[:1] == ["running"] and len(state) > 1 else (state[:1] or ["absent"])[0]
+
+    def psql(self, sql: str) -> str:
+        """The README's one-liner: psql inside the PostgreSQL container."""
+        return self.run("exec", "-T", "postgres", "psql", "-X", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-c", sql).strip()
+
+
+@pytest.fixture(scope="module")
+def stack(pg_backend):
+    if pg_backend != "containers" or compose_command() is None:
+        msg = "the compose smoke test needs the containers back end (a Docker engine, `make images`, docker-compose)"
+        if os.environ.get("CI") and os.environ.get(BACKEND_ENV) != "local":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    stack = Stack(f"dflash-smoke-{uuid.uuid4().hex[:8]}")
+    try:
+        stack.run("up", "-d", "--no-build", timeout=UP_TIMEOUT_S)
+        containers = [stack.container("postgres"), stack.container("worker")]
+        end = time.monotonic() + UP_TIMEOUT_S
+        while (states := {stack.health(c) for c in containers}) != {"healthy"}:
+            # "unhealthy" may only mean slow (a busy CPU stretches the worker's start-up past
+            # its health check's start period); a container that stopped is a failure.
+            if time.monotonic() > end or not states <= {"healthy", "starting", "unhealthy"}:
+                raise AssertionError(f"stack not healthy ({states}):\n" + stack.run("logs", "--no-color", "--tail", "60"))
+            time.sleep(3)
+        yield stack
+    finally:
+        stack.run("down", "-v", "--timeout", "30", check=False)
+
+
+def test_generate_through_the_worker_container(stack):
+    text = stack.psql("SELECT dflash_generate('Write a haiku about databases', max_new_tokens => 16)")
+    assert text
+    row = stack.psql("SELECT mode, status, target, drafter, new_tokens FROM dflash.generations ORDER BY id DESC LIMIT 1")
+    assert row.split("|")[:3] == ["sync", "ok", "smollm2-135m-instruct"]
+    assert 0 < int(row.split("|")[4]) <= 16
+
+
+def test_insert_is_filled_by_the_worker_containers_queue_consumer(stack):
+    stack.psql("CREATE TABLE questions (id serial PRIMARY KEY, question text, answer text)")
+    stack.psql("SELECT dflash.enable_generation('questions', 'question', 'answer', '{\"max_new_tokens\": 12}')")
+    stack.psql("INSERT INTO questions (question) VALUES ('What is a B-tree?')")
+    end = time.monotonic() + 120
+    while not (answer := stack.psql("SELECT coalesce(answer, '') FROM questions")):
+        assert time.monotonic() < end, stack.run("logs", "--no-color", "--tail", "40", "worker")
+        time.sleep(1)
+    row = stack.psql("SELECT mode, status, output FROM dflash.generations WHERE source_table = 'questions'::regclass")
+    assert row.split("|", 2) == ["trigger", "ok", answer]
+    assert stack.psql("SELECT count(*) FROM dflash.queue") == "0"
+
+
+def test_containers_run_unprivileged_with_a_group_socket_and_labels(stack):
+    assert stack.run("exec", "-T", "worker", "id", "-un").strip() == "dflash"
+    assert stack.run("exec", "-T", "postgres", "id", "-un").strip() == "postgres"
+    sock = stack.run("exec", "-T", "worker", "stat", "-c", "%U %G %a", "/run/dflash/worker.sock").split()
+    assert sock == ["dflash", "dflash-socket", "660"]
+    version = [line.split('"')[1] for line in (REPO / "pyproject.toml").read_text().splitlines()
+               if line.startswith("version = ")][0]
+    for service in ("postgres", "worker"):
+        labels = json.loads(subprocess.run(
+            ["docker", "inspect", "--format", "{{json .Config.Labels}}", stack.container(service)],
+            capture_output=True, text=True, check=True).stdout)
+        assert labels["org.opencontainers.image.version"] == version
+        assert labels["org.opencontainers.image.revision"] not in ("", "unknown")

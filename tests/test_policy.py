@@ -1,0 +1,207 @@
+"""Block length `auto`: the policy's arithmetic, its choices at the extremes, priors, the
+cost curve cache, and that output stays the target's (greedy equality, sampling law)."""
+
+import math
+
+import pytest
+import torch
+
+from dflash.engine.config import PolicyConfig
+from dflash.engine.costs import CostCurve, cache_path, load_or_measure
+from dflash.engine.engine import Engine, GenerationRequest
+from dflash.engine.policy import BlockPolicy, Prior, expected_tokens
+
+CFG = PolicyConfig()
+# A CPU-like curve: verifying more tokens costs more, drafting is not free.
+CPU = CostCurve(verify_s=[1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35], draft_s=[0.0] + [0.2 + 0.02 * d for d in range(7)])
+
+
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5, 0.5], 1) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 2) == 1.5
+    assert expected_tokens([0.5, 0.5, 0.5], 4) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([1.0] * 7, 8) == 8.0
+
+
+def _policy(prior_rate: float | None, costs=CPU, strength=1000.0) -> BlockPolicy:
+    width = costs.max_block - 1
+    prior = (Prior.default(width, CFG) if prior_rate is None
+             else Prior([prior_rate * strength] * width, [strength] * width))
+    return BlockPolicy(costs, costs.max_block, prior, CFG)
+
+
+def test_never_kept_means_plain_steps_and_rare_cheap_probes():
+    policy = _policy(0.0)
+    lengths = []
+    for _ in range(400):
+        D = policy.draft_length()
+        conf = [0.3] * (D - 1)
+        L = policy.verify_length(conf) if D > 1 else 1
+        lengths.append(D)
+        policy.observe(conf, L, 0, D)
+    assert lengths[0] == 1
+    probes = [d for d in lengths if d > 1]
+    assert all(d <= CFG.probe_len for d in probes)
+    assert len(probes) <= 400 / CFG.probe_after  # and they back off
+    assert lengths[-200:].count(1) >= 200 - 200 / CFG.probe_max_gap - 1
+
+
+def test_always_kept_means_the_full_block():
+    policy = _policy(1.0)
+    assert policy.draft_length() == CPU.max_block
+    for _ in range(20):
+        D = policy.draft_length()
+        conf = [0.99] * (D - 1)
+        L = policy.verify_length(conf)
+        policy.observe(conf, L, L - 1, D)
+    assert policy.draft_length() == CPU.max_block
+    assert policy.verify_length([0.99] * (CPU.max_block - 1)) == CPU.max_block
+
+
+def test_confidence_decides_the_verify_length():
+    """Same history, different confidences: verify confident drafts, not doubtful ones."""
+    policy = _policy(0.4, strength=8)
+    assert policy.verify_length([0.97, 0.95, 0.9, 0.05, 0.05, 0.05, 0.05]) >= 3
+    assert policy.verify_length([0.02] * 7) == 1
+
+
+def test_calibration_learns_an_overconfident_drafter():
+    policy = _policy(None)
+    before = policy.acceptance([0.95])[0]
+    for _ in range(60):
+        policy.observe([0.95, 0.95, 0.95], 4, 0, 4)  # confident, never right
+    assert policy.acceptance([0.95])[0] < before / 4
+    assert policy.verify_length([0.95] * 7) == 1
+
+
+def test_prior_from_counts_is_capped_and_falls_back():
+    p = Prior.from_counts([100, 5], [1000, 50], 3, CFG)
+    rates = p.rates()
+    assert rates[0] == pytest.approx(0.1, abs=0.1)
+    assert p.judged[0] <= CFG.max_prior_strength + CFG.prior_strength  # never outweighs a request
+    assert rates[2] == pytest.approx(Prior.default(3, CFG).rates()[2])  # nobody judged position 3
+
+
+def test_flat_costs_always_draft_everything_that_may_be_kept():
+    """On a GPU-like device (verifying 16 costs what 1 does, drafting free) drafting pays
+    whenever anything can be kept."""
+    flat = CostCurve.flat(8)
+    policy = _policy(0.3, costs=flat, strength=8)
+    assert policy.draft_length() == 8
+
+
+# --- the engine ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_like_engine():
+    """The tiny engine with a CPU-like cost curve, so auto makes real choices."""
+    from dflash.engine.drafter import init_random_drafter
+    from tests.conftest import cpu_like_costs, make_tiny_target, tiny_drafter_config
+
+    return Engine(make_tiny_target(), init_random_drafter(tiny_drafter_config(), seed=1, std=0.3), "tiny",
+                  cost_curve=cpu_like_costs())
+
+
+def test_auto_is_lossless_greedy(cpu_like_engine, tiny_engine):
+    for prompt in ([5, 6, 7], [11, 2, 9, 30], [4]):
+        ref = tiny_engine.generate(GenerationRequest(input_ids=prompt, max_new_tokens=40, block_size=1)).output_ids
+        for engine in (cpu_like_engine, tiny_engine):
+            res = engine.generate(GenerationRequest(input_ids=prompt, max_new_tokens=40))
+            assert res.output_ids == ref
+            assert res.stats.policy == "auto"
+
+
+def test_auto_sampling_follows_the_target_law(cpu_like_engine):
+    """Sampled continuations of a fixed prompt, thousands of times, under auto (which
+    truncates verify lengths by the draft distributions' peaks): the joint law of the first
+    two tokens must be the target's p(x1) p(x2 | x1) (chi-square)."""
+    from tests.test_sampling import chi_square_ok
+
+    engine = cpu_like_engine
+    prompt = [5, 6, 7]
+    params = dict(temperature=1.5, top_k=3)
+    n = 2000
+    counts: dict = {}
+    lengths = set()
+    for seed in range(n):  # 4 tokens, so that auto may draft 3 and verify fewer
+        res = engine.generate(GenerationRequest(input_ids=prompt, max_new_tokens=4, seed=seed, **params))
+        key = tuple(res.output_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+        lengths.update(len(s.draft_ids) + 1 for s in res.stats.steps)
+    assert lengths - {1}, "auto never verified a draft: the test would not test it"
+    # The exact law, from the target's own forward passes.
+    from dflash.engine.config import SamplingParams
+    from dflash.engine.sampling import warp
+
+    sp = SamplingParams(**params)
+    t = engine.target
+    with torch.inference_mode():
+        p1 = warp(t.forward(torch.tensor(prompt), t.new_cache())[0][-1], sp)
+        law = {}
+        for x1 in p1.nonzero()[:, 0].tolist():
+            p2 = warp(t.forward(torch.tensor(prompt + [x1]), t.new_cache())[0][-1], sp)
+            for x2 in p2.nonzero()[:, 0].tolist():
+                law[(x1, x2)] = float(p1[x1] * p2[x2])
+    assert set(counts) <= set(law), "a pair the target cannot produce"
+    keys = sorted(law)
+    ok, detail = chi_square_ok(torch.tensor([float(counts.get(k, 0)) for k in keys]),
+                               torch.tensor([law[k] for k in keys]))
+    assert ok, detail
+
+
+def test_copy_drafter_makes_auto_draft_the_full_block(copy_engine):
+    """A drafter that is always right (with flat, low confidence: calibration must learn to
+    trust it) ramps up to the full block within a few steps and stays there."""
+    res = copy_engine.generate(GenerationRequest(input_ids=[5, 6, 7], max_new_tokens=80))
+    assert res.output_ids == [0] * 80
+    lengths = [len(s.draft_ids) + 1 for s in res.stats.steps]
+    full = copy_engine.block_size
+    assert full in lengths[:8], lengths
+    assert all(n == full for n in lengths[lengths.index(full) : -1]), lengths
+
+
+def test_engine_prior_and_explanation(tiny_engine):
+    never = {"accepted": [0] * 7, "judged": [500] * 7}
+    always = {"accepted": [500] * 7, "judged": [500] * 7}
+    assert tiny_engine.explain_policy(never)["start_block_size"] == 1 or tiny_engine.cost_curve.relative()[
+        "step"][1] < 1.0  # only when drafting is free could a never-kept drafter pay
+    ex = tiny_engine.explain_policy(always)
+    assert ex["start_block_size"] == tiny_engine.block_size
+    assert [r["block_size"] for r in ex["lengths"]] == list(range(1, tiny_engine.block_size + 1))
+    assert ex["lengths"][-1]["expected_tau"] > 7
+
+
+def test_bad_priors_and_block_sizes(tiny_engine):
+    from dflash.errors import DFlashError
+
+    for bad in ({"accepted": [1]}, {"accepted": [-1], "judged": [1]}, {"accepted": ["x"], "judged": [1]}, [1, 2]):
+        with pytest.raises(DFlashError) as err:
+            tiny_engine.generate(GenerationRequest(input_ids=[5], max_new_tokens=2, prior=bad))
+        assert err.value.code == "bad_prior"
+    for bad in (0, 9, -1):
+        with pytest.raises(DFlashError) as err:
+            tiny_engine.generate(GenerationRequest(input_ids=[5], max_new_tokens=2, block_size=bad))
+        assert err.value.code == "bad_block_size"
+
+
+# --- the cost curve ---------------------------------------------------------------------
+
+
+def test_cost_curve_is_measured_once_and_cached(tmp_path, tiny_engine, monkeypatch):
+    import dflash.engine.costs as costs
+
+    calls = []
+    real = costs.measure
+    monkeypatch.setattr(costs, "measure", lambda e: calls.append(1) or real(e))
+    first = load_or_measure(tiny_engine, tmp_path)
+    again = load_or_measure(tiny_engine, tmp_path)
+    assert len(calls) == 1 and again == first
+    assert first.max_block == tiny_engine.block_size
+    assert all(v > 0 for v in first.verify_s) and first.draft_s[0] == 0 and all(d > 0 for d in first.draft_s[1:])
+    assert cache_path(first.key, tmp_path).is_file()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)  # another thread count: another curve
+    load_or_measure(tiny_engine, tmp_path)
+    assert len(calls) == 2
+    rel = first.relative()
+    assert rel["step"][0] == 1.0 and math.isclose(rel["verify"][0], 1.0)

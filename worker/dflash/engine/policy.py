@@ -1,0 +1,230 @@
+"""Block length `auto`: per step, the draft and verify lengths that pay most on this device.
+
+Two decisions per step, each maximising expected committed tokens minus their price at
+the going rate (Dinkelbach's form of maximising tokens per second):
+
+1. Before drafting, the draft length D (1 = no drafter forward: a plain step). The value
+   of drafting D is estimated by replaying the request's recent drafted steps: for each
+   remembered vector of draft confidences, what the best verify length would have earned
+   under today's calibration, minus the drafter's price for D. With no history yet, the
+   per-position acceptance prior stands in.
+2. After drafting, the verify length L <= D from the drafter's own confidence at each
+   position (its distribution's peak probability), calibrated online per request: field
+   reports find the drafter's confidence predicts acceptance far better than history.
+   The drafter's price is sunk by then; only the verify lengths' prices differ.
+
+Expected committed tokens for verify length L with conditional acceptances a_1, a_2, ...:
+1 + a_1 + a_1 a_2 + ... (L - 1 terms). Prices come from the device's cost curve.
+
+When drafting has not paid for a while the policy probes again, briefly (a short draft)
+and ever more rarely, so a request whose drafts stop being kept pays almost nothing, and
+one whose drafts start being kept notices.
+
+Lossless by construction: every decision depends on past outcomes, the cost curve and the
+draft *distributions*' peaks, never on the current step's sampled drafts or target draws.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from dflash.engine.config import PolicyConfig
+from dflash.engine.costs import CostCurve
+
+
+@dataclass
+class Prior:
+    """Per-position pseudo-counts: accepted[i] of judged[i] at draft position i + 1."""
+
+    accepted: list[float]
+    judged: list[float]
+
+    @classmethod
+    def from_counts(cls, accepted, judged, width: int, cfg: PolicyConfig) -> "Prior":
+        """Pooled counts of earlier generations, shrunk so they never outweigh more than
+        `cfg.max_prior_strength` steps of this request; positions nobody judged fall back to
+        the default prior."""
+        default = cls.default(width, cfg)
+        acc, jud = list(default.accepted), list(default.judged)
+        for i in range(min(width, len(accepted or []), len(judged or []))):
+            n, k = float(judged[i] or 0), float(accepted[i] or 0)
+            if n <= 0:
+                continue
+            k = min(max(k, 0.0), n)
+            scale = min(1.0, cfg.max_prior_strength / n)
+            acc[i], jud[i] = k * scale + acc[i] * 0.25, n * scale + jud[i] * 0.25
+        return cls(acc, jud)
+
+    @classmethod
+    def default(cls, width: int, cfg: PolicyConfig) -> "Prior":
+        rates = [cfg.default_acceptance * cfg.default_decay**i for i in range(width)]
+        return cls([r * cfg.prior_strength for r in rates], [cfg.prior_strength] * width)
+
+    def rates(self) -> list[float]:
+        return [a / j if j > 0 else 0.0 for a, j in zip(self.accepted, self.judged)]
+
+
+def expected_tokens(acceptance: list[float], verify_len: int) -> float:
+    """Expected tokens one step commits when it verifies `verify_len` tokens (anchor +
+    verify_len - 1 drafts) and draft i is kept with conditional probability acceptance[i]."""
+    total, run = 1.0, 1.0
+    for a in acceptance[: verify_len - 1]:
+        run *= a
+        total += run
+    return total
+
+
+class BlockPolicy:
+    """The per-request state of `auto`: counts, calibration, recent confidences, probing."""
+
+    def __init__(self, costs: CostCurve, max_block: int, prior: Prior, cfg: PolicyConfig):
+        self.costs, self.cfg = costs, cfg
+        self.max_block = min(max_block, costs.max_block)
+        width = max(self.max_block - 1, 0)
+        self.acc = [0] * width
+        self.judged = [0] * width
+        self.prior = prior
+        self.cal_acc = [0] * cfg.calibration_bins
+        self.cal_n = [0] * cfg.calibration_bins
+        self.history: deque[list[float]] = deque(maxlen=cfg.history)
+        self.tokens, self.cost = 0.0, 0.0  # what the request has committed and spent so far
+        self.plain_run = 0  # consecutive plain steps
+        self.probe_every = cfg.probe_after
+        self.probing = False
+
+    # --- estimates -------------------------------------------------------------------
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second to price time at: plain decoding's, or what this request already
+        achieves when that is better."""
+        plain = 1.0 / self.costs.verify_s[0]
+        return max(plain, self.tokens / self.cost) if self.cost > 0 else plain
+
+    def position_rates(self) -> list[float]:
+        """Conditional acceptance per draft position from this request's outcomes and the
+        prior. A position this request never judged takes the estimate of the one before it
+        when that one has outcomes: a drafter kept at positions 1-4 is likely kept at 5."""
+        rates = []
+        for i, (a, j, pa, pj) in enumerate(zip(self.acc, self.judged, self.prior.accepted, self.prior.judged)):
+            if j == 0 and i > 0 and self.judged[i - 1] > 0:
+                pa, pj = rates[-1] * pj, pj
+            rates.append((a + pa) / (j + pj) if j + pj > 0 else 0.0)
+        return rates
+
+    def _bin(self, confidence: float) -> int:
+        return min(int(confidence * self.cfg.calibration_bins), self.cfg.calibration_bins - 1)
+
+    def acceptance(self, confidences: list[float], rates: list[float] | None = None) -> list[float]:
+        """Conditional acceptance per draft position: each position's confidence calibrated by
+        this request's outcomes at similar confidence. Before any outcome in its bin, a
+        weighted geometric mean of the confidence and the position's acceptance so far, the
+        confidence weighing most; positions with no confidence: the latter alone."""
+        rates = self.position_rates() if rates is None else rates
+        w, k, bins = self.cfg.confidence_weight, self.cfg.calibration_strength, self.cfg.calibration_bins
+        cal_acc, cal_n = self.cal_acc, self.cal_n
+        out = list(rates)
+        for i, c in enumerate(confidences[: len(rates)]):
+            b = min(int(c * bins), bins - 1)
+            h = rates[i]
+            a_priori = c**w * h ** (1 - w) if c > 0 and h > 0 else 0.0
+            out[i] = (cal_acc[b] + k * a_priori) / (cal_n[b] + k)
+        return out
+
+    def _verify_values(self, acceptance: list[float], rate: float) -> list[float]:
+        """For L = 1..max_block: expected tokens of verifying L, minus its price at `rate`."""
+        verify_s = self.costs.verify_s
+        out = [1.0 - rate * verify_s[0]]
+        total = run = 1.0
+        for L in range(2, self.max_block + 1):
+            run *= acceptance[L - 2]
+            total += run
+            out.append(total - rate * verify_s[L - 1])
+        return out
+
+    def _best_verify(self, acceptance: list[float], draft_len: int) -> tuple[int, float]:
+        """(L, value) maximising expected tokens - rate * verify price, L in 1..draft_len."""
+        values = self._verify_values(acceptance, self.rate)[:draft_len]
+        best = max(range(len(values)), key=lambda i: (values[i], -i))
+        return best + 1, values[best]
+
+    def draft_values(self) -> list[float]:
+        """Expected net tokens of a step for each draft length D = 1..max_block (index D - 1):
+        per remembered confidence vector the best verify length up to D (a running maximum
+        over L, so every D costs one pass), averaged, minus the drafter's price for D."""
+        rate = self.rate
+        rates = self.position_rates()
+        vectors = list(self.history) or [[]]
+        earned = [0.0] * self.max_block
+        for vec in vectors:
+            best = float("-inf")
+            for i, value in enumerate(self._verify_values(self.acceptance(vec, rates), rate)):
+                best = max(best, value)
+                earned[i] += best
+        n = len(vectors)
+        return [earned[0] / n] + [earned[D - 1] / n - rate * self.costs.draft_s[D - 1]
+                                  for D in range(2, self.max_block + 1)]
+
+    # --- decisions ---------------------------------------------------------------------
+
+    def draft_length(self) -> int:
+        """D for the next step: 1 means a plain step with no drafter forward."""
+        self.probing = False
+        if self.max_block < 2:
+            return 1
+        values = self.draft_values()
+        best = max(range(len(values)), key=lambda i: (values[i], -i)) + 1
+        if best == 1 and self.plain_run >= self.probe_every:
+            best = min(self.cfg.probe_len, self.max_block)
+        # A probe, or a drafted step before the calibration has seen anything, verifies all
+        # it drafted: without outcomes at low confidence it could never learn that low
+        # confidence is sometimes right (a drafter whose peaks are flat but correct).
+        self.probing = best > 1 and (self.plain_run >= self.probe_every or sum(self.cal_n) < self.cfg.warmup_outcomes)
+        return best
+
+    def verify_length(self, confidences: list[float]) -> int:
+        """L for this step, given the drafter's confidence at each drafted position."""
+        if self.probing:
+            return len(confidences) + 1
+        return self._best_verify(self.acceptance(confidences), len(confidences) + 1)[0]
+
+    # --- learning ----------------------------------------------------------------------
+
+    def observe(self, confidences: list[float], verify_len: int, accepted: int, draft_len: int) -> None:
+        committed = accepted + 1
+        self.tokens += committed
+        self.cost += self.costs.step_s(draft_len, verify_len)
+        if draft_len > 1:
+            self.history.append(list(confidences))
+        for i in range(min(accepted + 1, verify_len - 1)):  # the positions that were judged
+            kept = i < accepted
+            self.judged[i] += 1
+            self.acc[i] += kept
+            b = self._bin(confidences[i])
+            self.cal_n[b] += 1
+            self.cal_acc[b] += kept
+        if draft_len == 1:
+            self.plain_run += 1
+            return
+        self.plain_run = 0
+        if self.probing:
+            paid = committed - self.rate * self.costs.step_s(draft_len, verify_len) > (
+                1.0 - self.rate * self.costs.verify_s[0])
+            self.probe_every = self.cfg.probe_after if paid else min(self.probe_every * 2, self.cfg.probe_max_gap)
+
+    def counts(self) -> dict:
+        return {"accepted": list(self.acc), "judged": list(self.judged)}
+
+
+def explain(costs: CostCurve, max_block: int, prior: Prior, cfg: PolicyConfig) -> dict:
+    """What the policy expects from a prior alone: per verify length the expected τ and tokens
+    per second at the device's prices, and the draft length it would start with."""
+    policy = BlockPolicy(costs, max_block, prior, cfg)
+    rates = policy.position_rates()
+    rows = []
+    for L in range(1, policy.max_block + 1):
+        tau = expected_tokens(rates, L)
+        rows.append({"block_size": L, "expected_tau": tau, "tokens_per_s": tau / costs.step_s(L, L),
+                     "relative_cost": costs.step_s(L, L) / costs.verify_s[0]})
+    return {"acceptance": rates, "lengths": rows, "start_block_size": policy.draft_length()}
