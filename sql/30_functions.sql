@@ -129,6 +129,9 @@ COMMENT ON FUNCTION @extschema@.dflash_recall(text, int, boolean) IS
 -- pgvector 0.8 can continue an HNSW scan until LIMIT rows pass the filter; older versions cannot.
 DO $iterative$
 BEGIN
+    -- pgvector's library defines the setting: make sure it is loaded (an upgrade's session
+    -- need not have used a vector yet).
+    PERFORM '[0]'::vector;
     IF current_setting('hnsw.iterative_scan', true) IS NOT NULL THEN
         ALTER FUNCTION @extschema@.dflash_recall(text, int, boolean) SET hnsw.iterative_scan = strict_order;
     END IF;

@@ -7,7 +7,7 @@
 --   * direct calls (no source table) of roles listed in dflash.training_consent: a member lists
 --     themselves (INSERT INTO dflash.training_consent DEFAULT VALUES), an admin lists anyone.
 -- Training reads only that view, whoever runs it (an admin or a superuser included), and the
--- role made for it, dflash_trainer (00_schema.sql), can read nothing else of dflash.generations.
+-- role made for it, dflash_trainer (01_roles.sql), can read nothing else of dflash.generations.
 
 -- Roles whose direct calls may train the drafter.
 CREATE TABLE dflash.training_consent (

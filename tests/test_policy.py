@@ -46,6 +46,23 @@ def test_never_kept_means_plain_steps_and_rare_cheap_probes():
     assert lengths[-200:].count(1) >= 200 - 200 / CFG.probe_max_gap - 1
 
 
+def _first_probe(policy: BlockPolicy, steps: int = 200) -> int | None:
+    for i in range(steps):
+        D = policy.draft_length()
+        if D > 1:
+            return i
+        policy.observe([], 1, 0, 1)
+    return None
+
+
+def test_an_informed_prior_that_drafting_does_not_pay_starts_with_a_long_gap():
+    """Evidence already in the prior (never kept, judged 1000 times) replaces the early
+    probes; a thin prior (a few judged drafts, never kept) probes at probe_after."""
+    assert _first_probe(_policy(0.0)) == CFG.informed_gap
+    assert _first_probe(_policy(0.0, strength=CFG.informed_prior_steps / 2)) == CFG.probe_after
+    assert _first_probe(_policy(None)) == 0  # a default prior (a first draft kept half the time) drafts at once
+
+
 def test_always_kept_means_the_full_block():
     policy = _policy(1.0)
     assert policy.draft_length() == CPU.max_block

@@ -260,8 +260,8 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
         runner.check(m)
     peers = {m: peer.describe(m) for m in methods if is_peer_method(m)}
     settings = {"target": engine.target.name, "drafter": engine.drafter_name, "assistant": assistant_dir,
-                "dtype": str(engine.target.dtype), "device": str(engine.target.device),
-                "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": max_new,
+                "dtype": str(engine.target.dtype), "draft_dtype": str(engine.draft_dtype),
+                "device": str(engine.target.device), "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": max_new,
                 **({"peers": peers} if peers else {})}
     log = Journal(journal, settings, resume)
     warm = engine.prompt_ids(GenerationRequest(prompt="Warm up.", chat=True))
@@ -300,6 +300,7 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "dtype": str(engine.target.dtype).replace("torch.", ""),
+        "draft_dtype": str(engine.draft_dtype).replace("torch.", ""),
         "device": str(engine.target.device),
         "cpu": cpu_name(),
         "target": engine.target.name,
@@ -319,7 +320,8 @@ def _fmt(x, spec):
 def markdown(report: dict) -> str:
     head = (
         f"target {report['target']}, drafter {report['drafter']}"
-        f"{' (random weights)' if report['random_drafter'] else ''}, {report['dtype']} on {report['device']}, "
+        f"{' (random weights)' if report['random_drafter'] else ''}, {report['dtype']}"
+        f"{' (drafter ' + report['draft_dtype'] + ')' if report.get('draft_dtype') else ''} on {report['device']}, "
         f"{report['threads']} threads, {report['cpu']}, torch {report['torch']}, {report['date']}, "
         f"{report['max_new_tokens']} new tokens max, greedy\n\n"
     )

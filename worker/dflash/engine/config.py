@@ -217,5 +217,13 @@ class PolicyConfig:
     history: int = 32  # recent drafted steps replayed to price drafting
     probe_after: int = 8  # plain steps before drafting is tried again
     probe_max_gap: int = 64  # probes that do not pay back off up to this gap
-    probe_len: int = 4  # a probe drafts this many positions (anchor included) and verifies them all
+    # A request whose prior rests on this many judged first drafts (the workload's or the
+    # engine's recent generations) and says drafting does not pay starts at this gap: the
+    # evidence that probes would gather at 8, 16, 32 is already in the prior.
+    informed_prior_steps: float = 16.0
+    informed_gap: int = 32
+    # A probe drafts this many positions (anchor included) and verifies them all. 3, not
+    # more: on a CPU a verify of 3 costs about what 2 does while 4 costs markedly more
+    # (small-M matmul kernels), and the first draft positions decide whether drafting pays.
+    probe_len: int = 3
     warmup_outcomes: int = 4  # drafted steps verify everything until this many outcomes are calibrated

@@ -92,6 +92,15 @@ class BlockPolicy:
         self.plain_run = 0  # consecutive plain steps
         self.probe_every = cfg.probe_after
         self.probing = False
+        # The rate at which "do not draft" was last decided (None: decide afresh). A plain
+        # step changes none of the counts the decision rests on, only the going rate, so the
+        # decision stands until a drafted step or a lower rate (which makes drafting cheaper);
+        # deciding costs about a millisecond, ~2 % of a plain step on a CPU.
+        self._plain_at_rate: float | None = None
+        if self.max_block > 1 and prior.judged and prior.judged[0] >= cfg.informed_prior_steps:
+            values = self.draft_values()
+            if max(range(len(values)), key=lambda i: (values[i], -i)) == 0:
+                self.probe_every = cfg.informed_gap
 
     # --- estimates -------------------------------------------------------------------
 
@@ -173,8 +182,12 @@ class BlockPolicy:
         self.probing = False
         if self.max_block < 2:
             return 1
+        rate = self.rate
+        if self._plain_at_rate is not None and rate >= self._plain_at_rate and self.plain_run < self.probe_every:
+            return 1
         values = self.draft_values()
         best = max(range(len(values)), key=lambda i: (values[i], -i)) + 1
+        self._plain_at_rate = rate if best == 1 else None
         if best == 1 and self.plain_run >= self.probe_every:
             best = min(self.cfg.probe_len, self.max_block)
         # A probe, or a drafted step before the calibration has seen anything, verifies all
@@ -208,6 +221,7 @@ class BlockPolicy:
             self.plain_run += 1
             return
         self.plain_run = 0
+        self._plain_at_rate = None
         if self.probing:
             paid = committed - self.rate * self.costs.step_s(draft_len, verify_len) > (
                 1.0 - self.rate * self.costs.verify_s[0])

@@ -29,9 +29,17 @@ class StopStrings:
         self.ids.append(token)
         before = self.decode(self.ids[self.prefix : self.read])
         after = self.decode(self.ids[self.prefix :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return False  # nothing printable yet (a partial character or a special token)
+        if len(after) <= len(before):
+            return False  # nothing printable yet (a special token)
         new = after[len(before) :]
+        if new.endswith("\ufffd"):
+            # A partial character: the text before it is final (a stop may already be in it),
+            # but the window moves on only once the character is complete.
+            done = new.rstrip("\ufffd")
+            if done and any(s in self.tail + done for s in self.stops):
+                self.hit_at = len(self.ids)
+                return True
+            return False
         self.prefix, self.read = max(len(self.ids) - CONTEXT_TOKENS, 0), len(self.ids)
         window = self.tail + new
         self.tail = window[-self.keep :] if self.keep else ""
