@@ -57,7 +57,7 @@ BASE_LOCAL   := dflash-base:bookworm
 WHEELS       := docker/wheels
 # The local debootstrap base once `make images-base` made it, otherwise Debian from a registry.
 BASE_IMAGE   ?= $(shell docker image inspect $(BASE_LOCAL) >/dev/null 2>&1 && echo $(BASE_LOCAL) || echo debian:bookworm-slim)
-VERSION       = $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+VERSION       = $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' worker/dflash/__init__.py)
 REVISION      = $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)$(shell git diff --quiet HEAD 2>/dev/null || echo -dirty)
 DOCKER_BUILD  = docker build --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION)
 

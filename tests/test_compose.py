@@ -16,6 +16,7 @@ import uuid
 
 import pytest
 
+from dflash import __version__
 from dflash.localpg import BACKEND_ENV, free_port
 from tests.conftest import REPO
 
@@ -107,11 +108,9 @@ def test_containers_run_unprivileged_with_a_group_socket_and_labels(stack):
     assert stack.run("exec", "-T", "postgres", "id", "-un").strip() == "postgres"
     sock = stack.run("exec", "-T", "worker", "stat", "-c", "%U %G %a", "/run/dflash/worker.sock").split()
     assert sock == ["dflash", "dflash-socket", "660"]
-    version = [line.split('"')[1] for line in (REPO / "pyproject.toml").read_text().splitlines()
-               if line.startswith("version = ")][0]
     for service in ("postgres", "worker"):
         labels = json.loads(subprocess.run(
             ["docker", "inspect", "--format", "{{json .Config.Labels}}", stack.container(service)],
             capture_output=True, text=True, check=True).stdout)
-        assert labels["org.opencontainers.image.version"] == version
+        assert labels["org.opencontainers.image.version"] == __version__
         assert labels["org.opencontainers.image.revision"] not in ("", "unknown")

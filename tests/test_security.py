@@ -431,9 +431,12 @@ def test_a_schema_shadowing_ours_is_never_used(alice, su, sql_worker):
     assert ran_as(su) == {}
 
 
-def extension_script() -> Path:
+def extension_script(su) -> Path:
+    """The install script of the version CREATE EXTENSION installs (the folder also holds
+    upgrade scripts and, after tests/test_upgrade.py, 0.1.0's)."""
     share = subprocess.check_output(["pg_config", "--sharedir"], text=True).strip()
-    return next(Path(share, "extension").glob("dflash--*.sql"))
+    version = scalar(su, "SELECT default_version FROM pg_available_extensions WHERE name = 'dflash'")
+    return Path(share, "extension", f"dflash--{version}.sql")
 
 
 def test_the_install_script_refuses_to_run_outside_create_extension(pg_server, roles):
@@ -441,10 +444,11 @@ def test_the_install_script_refuses_to_run_outside_create_extension(pg_server, r
     with connect(roles) as su:
         su.execute("DROP DATABASE IF EXISTS dflash_guard")
         su.execute("CREATE DATABASE dflash_guard")
+        script = extension_script(su)
     psql = Path(subprocess.check_output(["pg_config", "--bindir"], text=True).strip()) / "psql"
     out = subprocess.run([str(psql), "-h", pg_server.host, "-p", str(pg_server.port), "-U", pg_server.superuser,
                           "-d", "dflash_guard", "-v", "ON_ERROR_STOP=1", "-f", "-"],
-                         input=extension_script().read_text(), capture_output=True, text=True)
+                         input=script.read_text(), capture_output=True, text=True)
     assert 'Use "CREATE EXTENSION dflash' in out.stdout + out.stderr
     with psycopg.connect(pg_server.dsn("dflash_guard"), autocommit=True) as guard:
         assert scalar(guard, "SELECT count(*) FROM pg_namespace WHERE nspname = 'dflash'") == 0

@@ -294,6 +294,22 @@ def test_update_path_is_installed(cluster):
     assert paths.get(current_version()) == f"{OLD}--{current_version()}"
 
 
+def test_the_upgrade_script_refuses_to_run_outside_alter_extension(cluster):
+    """Fed to psql, it says to use ALTER EXTENSION and changes nothing."""
+    from dflash.localpg import pg_bindir
+
+    share = Path(subprocess.check_output(["pg_config", "--sharedir"], text=True).strip()) / "extension"
+    with connect(cluster, "postgres") as su:
+        su.execute("CREATE DATABASE guard")
+    out = subprocess.run([str(pg_bindir() / "psql"), "-v", "ON_ERROR_STOP=1", "-d", cluster.dsn("guard"), "-f", "-"],
+                         input=(share / f"dflash--{OLD}--{current_version()}.sql").read_text(),
+                         capture_output=True, text=True)
+    assert 'Use "ALTER EXTENSION dflash UPDATE' in out.stdout + out.stderr
+    with connect(cluster, "guard") as guard:
+        assert guard.execute("SELECT count(*) FROM pg_namespace WHERE nspname = 'dflash'").fetchone()[0] == 0
+        assert guard.execute("SELECT count(*) FROM pg_tables WHERE tablename = 'generations'").fetchone()[0] == 0
+
+
 def test_catalog_equals_a_fresh_install(upgraded, fresh):
     server = upgraded[0]
     got, want = catalog(server, "upgraded"), catalog(server, "fresh")

@@ -1,3 +1,3 @@
 """pg_dflash worker: DFlash block-diffusion speculative decoding."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
