@@ -4,6 +4,7 @@ reference fixtures from ../shared, and a tiny random Llama for fast engine tests
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -11,6 +12,10 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Cost curves the tests measure (often on a busy machine) go to a folder of this session's,
+# never into the user's cache, where a wrong curve would steer block length auto later.
+os.environ["DFLASH_COST_DIR"] = tempfile.mkdtemp(prefix="dflash-test-costs-")
 
 
 def shared_dir() -> Path:

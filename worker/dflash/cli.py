@@ -75,7 +75,7 @@ def load_engine(args):
     import torch
 
     from dflash.engine.engine import Engine
-    from dflash.models import cache_dir, resolve_models
+    from dflash.models import cost_dir, resolve_models
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -83,7 +83,7 @@ def load_engine(args):
     if is_random:
         print(RANDOM_DRAFTER_WARNING, file=sys.stderr)
     return Engine.load(target, drafter, device=args.device, dtype=args.dtype, random_drafter=is_random,
-                       cost_dir=cache_dir() / "costs", draft_dtype=args.draft_dtype)
+                       cost_dir=cost_dir(), draft_dtype=args.draft_dtype)
 
 
 def cmd_generate(args) -> int:

@@ -38,6 +38,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PG_DFLASH_CACHE") or Path.home() / ".cache" / "pg_dflash")
 
 
+def cost_dir() -> Path:
+    """Where measured cost curves are cached (`DFLASH_COST_DIR`, else CACHE/costs): the
+    tests point it at a folder of their own, so a curve they measure on a busy machine
+    never reaches a user's runs."""
+    return Path(os.environ.get("DFLASH_COST_DIR") or cache_dir() / "costs")
+
+
 def default_target_dir() -> Path:
     return cache_dir() / DEFAULT_TARGET_NAME
 
