@@ -27,7 +27,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.errors import DFlashError
+from dflash.localpg import free_port
 
 SDIST = "llama-cpp-python"
 VERSION = "0.3.36"
@@ -217,7 +217,7 @@ class LlamaServer:
 
     def __init__(self, target: Path, threads: int, drafter: Path | None = None, draft_max: int = 15,
                  ctx: int = 4096, log: Path | None = None):
-        self.port = _free_port()
+        self.port = free_port()
         self.log_path = log or home() / f"server-{'dflash' if drafter else 'ar'}.log"
         cmd = [binary("llama-server"), "-m", target, "--host", "127.0.0.1", "--port", str(self.port),
                "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", "1", "--no-webui"]
@@ -305,12 +305,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):
         pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- bench methods ----------------------------------------------------------------------------
