@@ -1,6 +1,7 @@
 """Block length `auto`: the policy's arithmetic, its choices at the extremes, priors, the
 cost curve cache, and that output stays the target's (greedy equality, sampling law)."""
 
+import json
 import math
 
 import pytest
@@ -211,6 +212,8 @@ def test_cost_curve_is_measured_once_and_cached(tmp_path, tiny_engine, monkeypat
     calls = []
     real = costs.measure
     monkeypatch.setattr(costs, "measure", lambda e: calls.append(1) or real(e))
+    # timing noise on a tiny model must not decide this test; the spot check has its own
+    monkeypatch.setattr(costs, "is_stale", lambda checks: False)
     first = load_or_measure(tiny_engine, tmp_path)
     again = load_or_measure(tiny_engine, tmp_path)
     assert len(calls) == 1 and again == first
@@ -222,3 +225,33 @@ def test_cost_curve_is_measured_once_and_cached(tmp_path, tiny_engine, monkeypat
     assert len(calls) == 2
     rel = first.relative()
     assert rel["step"][0] == 1.0 and math.isclose(rel["verify"][0], 1.0)
+
+
+def _scaled(curve: CostCurve, factor: float) -> CostCurve:
+    return CostCurve([v * factor for v in curve.verify_s], [d * factor for d in curve.draft_s], dict(curve.key),
+                     curve.measured_at)
+
+
+def test_cached_curve_measured_under_load_is_measured_again(tmp_path, tiny_engine, monkeypatch):
+    """A curve cached while the machine was busy prices everything too high; the spot check
+    at load sees the machine is faster now and measures again. A cache that is cheaper than
+    the spot check (the machine is busy now) is kept: interference only adds time."""
+    import dflash.engine.costs as costs
+
+    real = load_or_measure(tiny_engine, tmp_path)
+    path = cache_path(real.key, tmp_path)
+    calls = []
+    measure = costs.measure
+    monkeypatch.setattr(costs, "measure", lambda e: calls.append(1) or measure(e))
+
+    path.write_text(json.dumps(_scaled(real, 20.0).to_dict()))  # measured while busy
+    checks = costs.spot_check(tiny_engine, _scaled(real, 20.0))
+    assert set(checks) == {"verify_1", "verify_4", f"draft_{tiny_engine.block_size}"}
+    assert costs.is_stale(checks)
+    fresh = load_or_measure(tiny_engine, tmp_path)
+    assert len(calls) == 1 and fresh.verify_s[0] < 20.0 * real.verify_s[0] * costs.SPOT_TOLERANCE
+    assert json.loads(path.read_text())["verify_s"] == fresh.verify_s  # the bad cache is replaced
+
+    cheap = _scaled(real, 0.05)
+    path.write_text(json.dumps(cheap.to_dict()))
+    assert load_or_measure(tiny_engine, tmp_path) == cheap and len(calls) == 1

@@ -5,7 +5,8 @@ count: the drafter over a block of D positions (its layers plus the LM head over
 rows) and the target verifying L tokens. On a GPU verifying 16 tokens costs about what 1
 does; on a small CPU it does not. The block-length policy needs these prices, so the
 engine measures them once per (models, device, dtype, threads, torch) and keeps them on
-disk; `status` reports them.
+disk, checks a cached curve against a few fresh timings before trusting it, and `status`
+reports them.
 """
 
 from __future__ import annotations
@@ -122,43 +123,88 @@ def _non_decreasing(xs: list[float]) -> list[float]:
     return out
 
 
+class _StepBench:
+    """A target and drafter cache holding a short prompt, and the two timed parts of a step."""
+
+    def __init__(self, engine):
+        target = engine.target
+        self.device, self.block_size = target.device, engine.block_size
+        self.target, self.layer_ids = target, engine.layer_ids
+        self.prompt = torch.arange(100, 100 + CONTEXT_TOKENS, device=self.device) % target.vocab_size
+        self.cache = target.new_cache()
+        _, self.feats = target.forward(self.prompt, self.cache, self.layer_ids)
+        self.drafting = engine.in_use()
+        self.draft_cache = engine.drafter.new_cache()
+        self.anchor = target.embed(self.prompt[-1:])
+        self.drafting.logits(self.feats[:-1], self.anchor, 1, torch.arange(0, CONTEXT_TOKENS, device=self.device),
+                             self.draft_cache)
+
+    def verify(self, L: int) -> None:
+        ids = self.prompt[:L]
+        logits, _ = self.target.forward(ids, self.cache, self.layer_ids)
+        verify_greedy(ids[1:], logits)
+        self.target.crop(self.cache, CONTEXT_TOKENS)
+
+    def draft(self, D: int) -> None:
+        committed = self.draft_cache.length
+        positions = torch.arange(committed, committed + 1 + D, device=self.device)
+        logits = self.drafting.logits(self.feats[-1:], self.anchor, D, positions, self.draft_cache)
+        logits.softmax(-1).max(-1)
+        self.draft_cache.length = committed  # the context row is written again next time
+
+    def warm_up(self) -> None:
+        self.verify(self.block_size), self.draft(self.block_size)  # the largest shapes first
+
+    def verify_s(self, L: int) -> float:
+        return _best_s(lambda: self.verify(L), self.device)
+
+    def draft_s(self, D: int) -> float:
+        return _best_s(lambda: self.draft(D), self.device)
+
+
 @torch.inference_mode()
 def measure(engine) -> CostCurve:
     """Time each verify length and each draft length once the caches hold a short prompt."""
-    target, drafter = engine.target, engine.drafter
-    device, B = target.device, engine.block_size
-    layer_ids = engine.layer_ids
-    prompt = torch.arange(100, 100 + CONTEXT_TOKENS, device=device) % target.vocab_size
-    cache = target.new_cache()
-    _, feats = target.forward(prompt, cache, layer_ids)
-    drafting = engine.in_use()
-    draft_cache = drafter.new_cache()
-    anchor = engine.target.embed(prompt[-1:])
-    drafting.logits(feats[:-1], anchor, 1, torch.arange(0, CONTEXT_TOKENS, device=device), draft_cache)
-
-    def verify(L):
-        ids = prompt[:L]
-        logits, _ = target.forward(ids, cache, layer_ids)
-        verify_greedy(ids[1:], logits)
-        target.crop(cache, CONTEXT_TOKENS)
-
-    def draft(D):
-        committed = draft_cache.length
-        logits = drafting.logits(feats[-1:], anchor, D, torch.arange(committed, committed + 1 + D, device=device),
-                                 draft_cache)
-        logits.softmax(-1).max(-1)
-        draft_cache.length = committed  # the context row is written again next time
-
-    verify(B), draft(B)  # warm-up at the largest shapes
+    bench = _StepBench(engine)
+    B = bench.block_size
+    bench.warm_up()
     lengths = [n for n in MEASURED if n < B] + [B]
     verify_at, draft_at = {}, {1: 0.0}
     for L in lengths:  # interleaved, so a slow moment of the machine spreads out
-        verify_at[L] = _best_s(lambda: verify(L), device)
+        verify_at[L] = bench.verify_s(L)
         if L > 1:
-            draft_at[L] = _best_s(lambda: draft(L), device)
+            draft_at[L] = bench.draft_s(L)
     verify_s = _non_decreasing(_interpolate(verify_at, B))
     draft_s = [0.0] + _non_decreasing(_interpolate(draft_at, B)[1:])
     return CostCurve(verify_s, draft_s, curve_key(engine), time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+
+# A cached curve is checked against a few fresh timings before it is trusted: one measured
+# while the machine was busy prices every step too high and too flat (every length looks
+# the same when the time is spent waiting), which steers the policy wrong for as long as the
+# cache lives. Interference only ever adds time, so a spot price clearly *below* the cached
+# one means the cache was measured badly; a spot price above it means the machine is busy
+# now, and a re-measurement would be the worse of the two.
+SPOT_LENGTHS = (1, 4)
+SPOT_TOLERANCE = 0.75  # re-measure when a spot price is under this fraction of the cached one
+
+
+@torch.inference_mode()
+def spot_check(engine, curve: CostCurve) -> dict:
+    """Fresh prices for a plain step, a short verify and a full draft, beside the cached ones."""
+    bench = _StepBench(engine)
+    B = bench.block_size
+    bench.warm_up()
+    checks = {}
+    for L in sorted({min(n, B) for n in SPOT_LENGTHS}):
+        checks[f"verify_{L}"] = (bench.verify_s(L), curve.verify_s[L - 1])
+    if B > 1:
+        checks[f"draft_{B}"] = (bench.draft_s(B), curve.draft_s[B - 1])
+    return checks
+
+
+def is_stale(checks: dict) -> bool:
+    return any(now < SPOT_TOLERANCE * cached for now, cached in checks.values())
 
 
 def _interpolate(points: dict[int, float], B: int) -> list[float]:
@@ -178,13 +224,14 @@ def cache_path(key: dict, directory: Path) -> Path:
 
 
 def load_or_measure(engine, directory: Path | None) -> CostCurve:
-    """The cached curve for this engine's key, or a fresh measurement (then cached)."""
+    """The cached curve for this engine's key if a spot check agrees with it, else a fresh
+    measurement (then cached)."""
     key = curve_key(engine)
     path = cache_path(key, directory) if directory is not None else None
     if path is not None and path.is_file():
         try:
             curve = CostCurve.from_dict(json.loads(path.read_text()))
-            if curve.key == key and curve.max_block == engine.block_size:
+            if curve.key == key and curve.max_block == engine.block_size and not is_stale(spot_check(engine, curve)):
                 return curve
         except (OSError, ValueError, KeyError):
             pass  # unreadable: measure again
