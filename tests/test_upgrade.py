@@ -62,11 +62,6 @@ def test_the_frozen_release_script_is_what_the_release_built(tmp_path):
     assert build_old_install_script(tmp_path).read_bytes() == RELEASED_SCRIPT.read_bytes()
 
 
-def old_install_script(workdir: Path) -> Path:
-    """dflash--0.1.0.sql as released."""
-    return RELEASED_SCRIPT
-
-
 def build_old_install_script(workdir: Path) -> Path:
     """dflash--0.1.0.sql built from the release commit by its own Makefile."""
     archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", RELEASE_COMMIT, "sql", "extension"],
@@ -93,7 +88,7 @@ def install_beside(script: Path, share: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(pg_backend, tmp_path_factory):
+def cluster(pg_backend):
     from dflash.localpg import start_local_cluster
 
     if pg_backend != "local":
@@ -105,7 +100,7 @@ def cluster(pg_backend, tmp_path_factory):
     installed = re.search(r"^default_version\s*=\s*'([^']+)'", control.read_text(), re.M) if control.exists() else None
     if not installed or installed.group(1) != new or not (share / f"dflash--{OLD}--{new}.sql").exists():
         unavailable(f"dflash {new} and its upgrade from {OLD} are not installed in {share}: run `make install-extension`")
-    install_beside(old_install_script(tmp_path_factory.mktemp("release")), share)
+    install_beside(RELEASED_SCRIPT, share)
     server = start_local_cluster()
     yield server
     server.stop()
