@@ -110,3 +110,42 @@ def test_new_drafter_takes_the_targets_final_norm():
         drafter = new_drafter(target, dcfg, init, seed=0)
         assert torch.equal(drafter.norm.weight, target.model.get_decoder().norm.weight)
         assert abs(drafter.norm.weight.mean().item() - 1.8) < 0.1
+
+
+def test_soft_targets_are_gathered_only_for_a_run_that_uses_them():
+    from dflash.train.objective import build_blocks, sample_anchors
+    from dflash.train.trainer import make_batch
+
+    class Store:
+        topk = 4
+
+        def features(self, seq, dtype):
+            return torch.zeros(len(seq["ids"]), 8).to(dtype)
+
+        def soft_targets(self, seq):
+            n = len(seq["ids"])
+            return torch.arange(n * 4, dtype=torch.int32).view(n, 4), torch.ones(n, 4, dtype=torch.float16)
+
+    ids = torch.randint(5, 60, (20,))
+    b = build_blocks(ids, sample_anchors(20, 10, 512), 4, 3, slot_weights(4, "dpace", None, None))
+    used = make_batch(Store(), [{"ids": ids.tolist()}], [b], torch.device("cpu"))
+    skipped = make_batch(Store(), [{"ids": ids.tolist()}], [b], torch.device("cpu"), soft=False)
+    assert used.soft_ids.shape == (1, len(b.anchors), 4, 4)
+    # slot j of the block at anchor p holds token p+j: its soft targets are row p+j-1's
+    p = int(b.anchors[0])
+    assert used.soft_ids[0, 0, 1].tolist() == list(range(4 * p, 4 * p + 4))
+    assert skipped.soft_ids is None and skipped.soft_logits is None
+    assert torch.equal(used.feats, skipped.feats)
+
+
+def test_the_cosine_follows_the_larger_share_of_a_time_or_cpu_budget():
+    from dflash.train.trainer import TrainConfig, budget_share, schedule_step
+
+    assert budget_share(TrainConfig(cpu_budget_s=100), 10, 50) is None  # schedule by epochs
+    cfg = TrainConfig(schedule_by_time=True, cpu_budget_s=100)
+    assert budget_share(cfg, 10, 50) == 0.5
+    both = TrainConfig(schedule_by_time=True, time_budget_s=20, cpu_budget_s=100)
+    assert budget_share(both, 15, 50) == 0.75 and budget_share(both, 5, 60) == 0.6
+    assert schedule_step(3, 1000, 0.5) == 500  # half the budget spent: half-way down the cosine
+    assert schedule_step(700, 1000, 0.5) == 700  # never behind the steps taken
+    assert schedule_step(3, 1000, None) == 3

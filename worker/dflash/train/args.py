@@ -23,6 +23,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     data.add_argument("--sequences", type=int, help="train on the first N answers (default: all)")
     data.add_argument("--heldout", type=int, default=24, help="held-out answers per group (code, chat) for τ")
     data.add_argument("--topk", type=int, default=0, help="also store the target's top-k logits (soft targets)")
+    data.add_argument("--features", help="the feature cache's folder (default RUN/features); runs of the same "
+                                         "target, data and drafter layers can share one")
     model = p.add_argument_group("drafter")
     model.add_argument("--init-from", help="continue this drafter folder (and its lineage)")
     model.add_argument("--init", choices=["random", "target"], default="target",
@@ -47,6 +49,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_argument("--no-autocast", action="store_true", help="fp32 matmuls (default: bf16 autocast)")
     opt.add_argument("--time-budget-min", type=float, help="stop training after this many minutes (resumable)")
     opt.add_argument("--cpu-budget-min", type=float, help="stop after this much process CPU time (all threads)")
+    opt.add_argument("--schedule-by-budget", action="store_true",
+                     help="the cosine ends when the time or CPU budget does, not after --epochs")
     opt.add_argument("--checkpoint-minutes", type=float, default=5.0)
     opt.add_argument("--eval-minutes", type=float, default=15.0, help="held-out τ estimate this often (keeps best/)")
     opt.add_argument("--stage", default="", help="a label for this stage in the drafter's lineage")

@@ -117,7 +117,7 @@ def train_assistant(model, records: list[dict], out: Path, *, lr: float = 6e-4, 
             ids[row, : len(x)], mask[row, : len(x)] = x, 1
             labels[row, starts[j] : len(x)] = x[starts[j]:]
         elapsed = time.monotonic() - start
-        progress = schedule_step(state["step"], total, elapsed, time_budget_s)
+        progress = schedule_step(state["step"], total, elapsed / time_budget_s if time_budget_s else None)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(progress, total, lr, max(1, total // 25))
         with autocast(dev):

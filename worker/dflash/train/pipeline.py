@@ -138,7 +138,7 @@ def run(target_dir: Path, out: Path, *, prompts: int | None, max_new_tokens: int
         block_size: int, layer_ids: list[int] | None, mask_token_id: int, init: str, cfg: TrainConfig,
         device: str = "cpu", prompt_file: Path | None = None, init_from: Path | None = None,
         sequences: int | None = None, heldout_per_group: int = 24, topk: int = 0,
-        answers: Path | None = None) -> Path:
+        answers: Path | None = None, features: Path | None = None) -> Path:
     out = Path(out)
     target = TargetModel.from_pretrained(target_dir, device=device)
     records = training_records(target, out, prompts=prompts, prompt_file=prompt_file,
@@ -148,7 +148,7 @@ def run(target_dir: Path, out: Path, *, prompts: int | None, max_new_tokens: int
         dcfg = DrafterConfig.from_file(Path(init_from) / "config.json")
     else:
         dcfg = drafter_config_for(target, layers, block_size, layer_ids, mask_token_id)
-    cache = build_features(target, picked, dcfg.target_layer_ids, out / "features", topk=topk)
+    cache = build_features(target, picked, dcfg.target_layer_ids, features or out / "features", topk=topk)
     drafter, lineage = starting_drafter(target, dcfg, init, init_from, cfg.seed)
     train(drafter, target, cache, out / "train", cfg, heldout=with_groups(cache.sequences, held), lineage=lineage)
     return out / "train" / "drafter"
@@ -166,7 +166,8 @@ def run_from_args(args) -> int:
         weighting=args.weighting, gamma=args.gamma, loss_positions=args.loss_positions, soft_mix=args.soft_mix,
         autocast=not args.no_autocast, time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None,
         cpu_budget_s=args.cpu_budget_min * 60 if args.cpu_budget_min else None,
-        checkpoint_minutes=args.checkpoint_minutes, eval_minutes=args.eval_minutes, seed=args.seed,
+        schedule_by_time=args.schedule_by_budget, checkpoint_minutes=args.checkpoint_minutes,
+        eval_minutes=args.eval_minutes, seed=args.seed,
         stage=args.stage or f"dflash train on {args.device}")
     drafter = run(
         Path(args.target) if args.target else ensure_default_target(), Path(args.out), prompts=args.prompts,
@@ -174,6 +175,7 @@ def run_from_args(args) -> int:
         block_size=args.block_size, layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
         init=args.init, cfg=cfg, device=args.device, prompt_file=Path(args.prompt_file) if args.prompt_file else None,
         init_from=Path(args.init_from) if args.init_from else None, sequences=args.sequences,
-        heldout_per_group=args.heldout, topk=args.topk, answers=Path(args.answers) if args.answers else None)
+        heldout_per_group=args.heldout, topk=args.topk, answers=Path(args.answers) if args.answers else None,
+        features=Path(args.features) if args.features else None)
     print(f"drafter written to {drafter} (best held-out τ: {Path(args.out) / 'train' / 'best'})")
     return 0

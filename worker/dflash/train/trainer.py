@@ -55,7 +55,7 @@ class TrainConfig:
     head_chunk_rows: int | None = None  # LM head in chunks, recomputed in backward (big GPU batches)
     time_budget_s: float | None = None  # this call's training time (a resumed run gets it again)
     cpu_budget_s: float | None = None  # this call's process CPU time (fair budgets on a shared machine)
-    schedule_by_time: bool = False  # with a time budget: the cosine schedule ends when the budget does
+    schedule_by_time: bool = False  # with a time or CPU budget: the cosine schedule ends when the budget does
     checkpoint_minutes: float = 5.0
     eval_minutes: float | None = None  # τ estimate on held-out answers this often (keeps best/)
     eval_max_new_tokens: int = 128
@@ -70,12 +70,22 @@ def autocast(device: torch.device, enabled: bool = True):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def schedule_step(step: int, total: int, elapsed_s: float, time_budget_s: float | None) -> int:
-    """Where the LR schedule stands: by steps, or, for a run bounded by a time budget rather
-    than epochs, by the share of the budget spent (whichever is further along)."""
-    if time_budget_s:
-        return max(step, int(total * elapsed_s / time_budget_s))
+def schedule_step(step: int, total: int, budget_share: float | None) -> int:
+    """Where the LR schedule stands: by steps, or, for a run bounded by a budget (wall-clock
+    or CPU time) rather than epochs, by the share of the budget spent (whichever is further)."""
+    if budget_share is not None:
+        return max(step, int(total * budget_share))
     return step
+
+
+def budget_share(cfg: "TrainConfig", elapsed_s: float, cpu_s: float) -> float | None:
+    """How much of this call's budget is spent (the larger share of wall and CPU budget);
+    None when the schedule does not follow a budget."""
+    if not cfg.schedule_by_time:
+        return None
+    shares = [elapsed_s / cfg.time_budget_s] if cfg.time_budget_s else []
+    shares += [cpu_s / cfg.cpu_budget_s] if cfg.cpu_budget_s else []
+    return max(shares) if shares else None
 
 
 def device_label(device: torch.device) -> str:
@@ -106,9 +116,10 @@ class Batch:
     blocks: int = 0
 
 
-def make_batch(store, seqs: list[dict], parts: list, device) -> Batch:
+def make_batch(store, seqs: list[dict], parts: list, device, soft: bool = True) -> Batch:
     """Pad a few sequences' blocks into one batch on `device` (features and soft targets are
-    gathered where the store keeps them: on the device for DeviceFeatures)."""
+    gathered where the store keeps them: on the device for DeviceFeatures). `soft` False
+    skips the soft targets of a store that has them (a run that does not use them)."""
     B = len(parts)
     T = max(p.n_ctx for p in parts)
     A = max(len(p.anchors) for p in parts)
@@ -117,7 +128,7 @@ def make_batch(store, seqs: list[dict], parts: list, device) -> Batch:
     labels = torch.full((B, A, L), -100, dtype=torch.long)
     weights = torch.zeros(B, A, L)
     block_ids = torch.zeros(B, A, L, dtype=torch.long)
-    k = getattr(store, "topk", 0)
+    k = getattr(store, "topk", 0) if soft else 0
     feats = soft_ids = soft_logits = None
     for b, (seq, p) in enumerate(zip(seqs, parts)):
         n = len(p.anchors)
@@ -287,8 +298,8 @@ def train(drafter: DFlashDrafter, target, store, out: Path, cfg: TrainConfig, re
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)  # fresh order every epoch
         order = torch.randperm(len(seqs), generator=gen)
         batch_seqs = [seqs[j] for j in order[i * cfg.seqs_per_step : (i + 1) * cfg.seqs_per_step].tolist()]
-        sched = schedule_step(step, total, time.monotonic() - start - call_start,
-                              cfg.time_budget_s if cfg.schedule_by_time else None)
+        sched = schedule_step(step, total, budget_share(cfg, time.monotonic() - start - call_start,
+                                                        time.process_time() - cpu_start - call_cpu_start))
         if cfg.schedule == "constant":
             lr = cfg.lr * min(1.0, (step + 1) / warmup)
         else:
@@ -307,7 +318,8 @@ def train(drafter: DFlashDrafter, target, store, out: Path, cfg: TrainConfig, re
         n_blocks = sum(len(p.anchors) for p in parts)
         loss_sum = 0.0
         for group in micro_batches(parts, cfg.block_tokens):
-            batch = make_batch(store, [used[g] for g in group], [parts[g] for g in group], dev)
+            batch = make_batch(store, [used[g] for g in group], [parts[g] for g in group], dev,
+                               soft=cfg.soft_mix > 0)
             loss, stats = batch_loss(drafter, embed, train_head, batch, cfg, dev, accuracy=step % 10 == 0)
             share = batch.blocks / n_blocks
             (loss * share).backward()
