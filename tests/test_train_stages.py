@@ -59,6 +59,7 @@ def test_resume_and_continue_across_stages(tmp_path):
     lineage = json.loads((saved / LINEAGE_FILE).read_text())
     assert [s["stage"] for s in lineage] == ["initialised: target layers, target final norm", "one"]
     assert lineage[-1]["sequences"] == more["sequences"] and lineage[-1]["seconds"] > 0
+    assert lineage[-1]["answers"] == 10 - 2  # the held-out answers are never trained on
     drafter3, lineage3 = starting_drafter(target, dcfg, "target", saved, seed=0)
     for a, b in zip(drafter3.state_dict().values(), drafter2.state_dict().values()):
         assert torch.allclose(a, b.to(torch.bfloat16).float())  # stored in bf16
@@ -119,6 +120,7 @@ def test_model_card_tau_against_compute_from_the_lineage(tmp_path):
          "evals": [{"seconds": 300, "blocks": 500, "by_group": {"code": 1.5, "chat": 1.3}}],
          "yardstick": {"code": 1.6, "chat": 1.4, "prompts": {"code": 40, "chat": 40}}},
         {"stage": "cpu", "device": "cpu", "device_type": "cpu", "seconds": 7200, "cpu_seconds": 3600, "sequences": 5,
+         "answers": 1234,
          "blocks": 200, "config": {"lr": 3e-4, "schedule": "constant", "weighting": "dpace", "max_anchors": 512,
                                    "loss_positions": 8, "autocast": True},
          "evals": [{"seconds": 0, "cpu_seconds": 0, "blocks": 0, "by_group": {"code": 1.55}},
@@ -142,5 +144,6 @@ def test_model_card_tau_against_compute_from_the_lineage(tmp_path):
     text = (dest / "README.md").read_text()
     assert "τ **1.81** on the first 40 HumanEval prompts, **1.50** on the first 40 chat" in text
     assert "| cpu | 10.0 | 1.00 | 1,200 | 1.70 | 1.45 | 1.81 | 1.50 |" in text
+    assert "| 5 | 200 | 1,234 training answers, lr 0.0003 (constant), dpace weighting" in text
     assert json.loads((dest / LINEAGE_FILE).read_text())[-1]["yardstick"]["code"] == 1.812
     assert (dest / "model.safetensors").is_file() and text == card(dest)

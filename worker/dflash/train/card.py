@@ -123,8 +123,9 @@ def _settings(stage: dict) -> str:
     c = stage.get("config") or {}
     if not c:
         return stage.get("note", "")
-    parts = [f"lr {c.get('lr')} ({c.get('schedule')})", f"{c.get('weighting')} weighting",
-             f"anchors ≤ {c.get('max_anchors')}"]
+    parts = [f"{stage['answers']:,} training answers"] if stage.get("answers") else []
+    parts += [f"lr {c.get('lr')} ({c.get('schedule')})", f"{c.get('weighting')} weighting",
+              f"anchors ≤ {c.get('max_anchors')}"]
     if c.get("loss_positions"):
         parts.append(f"loss at slots 1–{c['loss_positions']}")
     if c.get("soft_mix"):

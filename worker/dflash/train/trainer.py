@@ -252,7 +252,8 @@ def train(drafter: DFlashDrafter, target, store, out: Path, cfg: TrainConfig, re
     def this_stage() -> dict:
         return {"stage": cfg.stage, "device": label, "device_type": dev.type,
                 "seconds": round(state["elapsed_s"], 1), "cpu_seconds": round(state["cpu_s"], 1),
-                "steps": state["step"], "flops": state.get("flops", 0.0), "sequences": state["sequences"],
+                "steps": state["step"], "flops": state.get("flops", 0.0), "answers": len(seqs),
+                "sequences": state["sequences"],
                 "blocks": state["blocks"], "config": asdict(cfg), "evals": state["evals"]}
 
     def full_lineage() -> list[dict]:
