@@ -142,9 +142,9 @@ def test_the_cosine_follows_the_larger_share_of_a_time_or_cpu_budget():
     from dflash.train.trainer import TrainConfig, budget_share, schedule_step
 
     assert budget_share(TrainConfig(cpu_budget_s=100), 10, 50) is None  # schedule by epochs
-    cfg = TrainConfig(schedule_by_time=True, cpu_budget_s=100)
+    cfg = TrainConfig(schedule_by_budget=True, cpu_budget_s=100)
     assert budget_share(cfg, 10, 50) == 0.5
-    both = TrainConfig(schedule_by_time=True, time_budget_s=20, cpu_budget_s=100)
+    both = TrainConfig(schedule_by_budget=True, time_budget_s=20, cpu_budget_s=100)
     assert budget_share(both, 15, 50) == 0.75 and budget_share(both, 5, 60) == 0.6
     assert schedule_step(3, 1000, 0.5) == 500  # half the budget spent: half-way down the cosine
     assert schedule_step(700, 1000, 0.5) == 700  # never behind the steps taken

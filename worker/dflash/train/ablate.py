@@ -133,8 +133,9 @@ def main(argv=None) -> int:
             if arm_result(folder):
                 continue
             shutil.rmtree(folder, ignore_errors=True)
-            print(f"[ablate] {name}: dflash {' '.join(arm_argv(out, name, opts, common))}", flush=True)
-            if dflash(arm_argv(out, name, opts, common)):
+            argv = arm_argv(out, name, opts, common)
+            print(f"[ablate] {name}: dflash {shlex.join(argv)}", flush=True)
+            if dflash(argv):
                 raise SystemExit(f"arm {name!r} failed")
     print(table(report(out, arms)))
     return 0

@@ -371,7 +371,7 @@ def run_from_args(args) -> int:
         max_anchors=args.max_anchors, seqs_per_step=args.seqs_per_step, block_tokens=args.block_tokens,
         weighting=args.weighting, gamma=args.gamma, loss_positions=args.loss_positions,
         autocast=not args.no_autocast, time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None,
-        cpu_budget_s=args.cpu_budget_min * 60 if args.cpu_budget_min else None, schedule_by_time=True,
+        cpu_budget_s=args.cpu_budget_min * 60 if args.cpu_budget_min else None, schedule_by_budget=True,
         checkpoint_minutes=args.checkpoint_minutes, eval_minutes=None, seed=args.seed)
     filters = Filters(source_table=args.source_table, role=args.role, since=args.since,
                       min_new_tokens=args.min_new_tokens, limit=args.limit, any_drafter=args.any_drafter)

@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     cfg = TrainConfig(epochs=1000, lr=args.lr, max_anchors=args.max_anchors, seqs_per_step=args.seqs_per_step,
                       block_tokens=args.block_tokens, head_chunk_rows=args.head_chunk_rows, weighting=args.weighting,
                       loss_positions=args.loss_positions, soft_mix=args.soft_mix, time_budget_s=args.train_min * 60,
-                      schedule_by_time=True, checkpoint_minutes=1.0, eval_minutes=args.eval_min,
+                      schedule_by_budget=True, checkpoint_minutes=1.0, eval_minutes=args.eval_min,
                       snapshot_dir=str(export / "drafter"), seed=args.seed,
                       stage=f"oneshot on {args.device}: {args.weighting} weighting, soft mix {args.soft_mix}")
     heldout = with_groups(store.sequences, held)

@@ -166,7 +166,7 @@ def run_from_args(args) -> int:
         weighting=args.weighting, gamma=args.gamma, loss_positions=args.loss_positions, soft_mix=args.soft_mix,
         autocast=not args.no_autocast, time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None,
         cpu_budget_s=args.cpu_budget_min * 60 if args.cpu_budget_min else None,
-        schedule_by_time=args.schedule_by_budget, checkpoint_minutes=args.checkpoint_minutes,
+        schedule_by_budget=args.schedule_by_budget, checkpoint_minutes=args.checkpoint_minutes,
         eval_minutes=args.eval_minutes, seed=args.seed,
         stage=args.stage or f"dflash train on {args.device}")
     drafter = run(

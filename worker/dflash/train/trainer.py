@@ -55,7 +55,7 @@ class TrainConfig:
     head_chunk_rows: int | None = None  # LM head in chunks, recomputed in backward (big GPU batches)
     time_budget_s: float | None = None  # this call's training time (a resumed run gets it again)
     cpu_budget_s: float | None = None  # this call's process CPU time (fair budgets on a shared machine)
-    schedule_by_time: bool = False  # with a time or CPU budget: the cosine schedule ends when the budget does
+    schedule_by_budget: bool = False  # with a time or CPU budget: the cosine schedule ends when the budget does
     checkpoint_minutes: float = 5.0
     eval_minutes: float | None = None  # τ estimate on held-out answers this often (keeps best/)
     eval_max_new_tokens: int = 128
@@ -81,7 +81,7 @@ def schedule_step(step: int, total: int, budget_share: float | None) -> int:
 def budget_share(cfg: "TrainConfig", elapsed_s: float, cpu_s: float) -> float | None:
     """How much of this call's budget is spent (the larger share of wall and CPU budget);
     None when the schedule does not follow a budget."""
-    if not cfg.schedule_by_time:
+    if not cfg.schedule_by_budget:
         return None
     shares = [elapsed_s / cfg.time_budget_s] if cfg.time_budget_s else []
     shares += [cpu_s / cfg.cpu_budget_s] if cfg.cpu_budget_s else []
