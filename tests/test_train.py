@@ -4,6 +4,7 @@ going down, and the checkpoint loading back through the engine's loader."""
 
 import json
 
+import pytest
 import torch
 
 from dflash.engine.drafter import load_drafter
@@ -67,7 +68,8 @@ def test_benchmark_prompts_are_excluded():
 def test_training_lowers_loss_and_round_trips(tmp_path, smol_dir):
     from transformers import AutoTokenizer
 
-    from dflash.train.data import regenerate
+    from dflash.errors import DFlashError
+    from dflash.train.data import regenerate, sole_writer
 
     target = make_tiny_target(vocab=49152, context=256)
     target.tokenizer = AutoTokenizer.from_pretrained(smol_dir)
@@ -75,6 +77,8 @@ def test_training_lowers_loss_and_round_trips(tmp_path, smol_dir):
     prompts = ["Say something.", "Count to five.", "Name a colour.", "Tell a joke."]
     regenerate(target, prompts, tmp_path / "data.jsonl", max_new_tokens=40, batch_size=2)
     regenerate(target, prompts, tmp_path / "data.jsonl", max_new_tokens=40, batch_size=2)  # resumes: no dupes
+    with sole_writer(tmp_path / "data.jsonl"), pytest.raises(DFlashError, match="another process is writing"):
+        regenerate(target, prompts + ["One more."], tmp_path / "data.jsonl", max_new_tokens=40, batch_size=2)
     records = load_records(tmp_path / "data.jsonl")
     assert sorted(r["prompt"] for r in records) == sorted(prompts)
     dcfg = drafter_config_for(target, layers=1, block_size=8, layer_ids=[0, 2], mask_token_id=16)

@@ -40,12 +40,13 @@ def test_arms_share_data_and_budget_and_are_scored_per_cpu_hour(tmp_path, monkey
     monkeypatch.setattr(dflash.cli, "main", _fake_train(calls, tau_after))
     arms = ["--arm", "dpace slots 1-4=--weighting dpace --loss-positions 4",
             "--arm", "decay slots 1-16=--weighting decay"]
-    ablate.main(["--out", str(tmp_path), "--init-from", "D", "--cpu-minutes", "30", *arms])
+    ablate.main(["--out", str(tmp_path), "--init-from", "D", "--cpu-minutes", "30", "--sequences", "784", *arms])
     assert len(calls) == 2
     for argv in calls:
         opts = dict(zip(argv[1::2], argv[2::2]))
         assert argv[0] == "train" and opts["--init-from"] == "D" and opts["--cpu-budget-min"] == "30.0"
         assert opts["--features"] == str(tmp_path / "features") and opts["--topk"] == "32"
+        assert opts["--sequences"] == "784"  # every arm on the same answers, however the corpus grew
         assert "--schedule-by-budget" in argv
     assert calls[1][calls[1].index("--weighting") + 1] == "decay"
     results = json.loads((tmp_path / "ablation.json").read_text())

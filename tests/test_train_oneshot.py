@@ -46,6 +46,17 @@ def test_packing_refuses_benchmark_prompts(tmp_path):
         corpus.pack(answers, tmp_path / "out")
 
 
+def test_packing_keeps_each_prompts_first_answer(tmp_path):
+    answers = tmp_path / "a.jsonl"
+    rows = [("a", [2]), ("b", [3]), ("a", [4])]  # "a" answered twice (two writers on one file)
+    answers.write_text("".join(json.dumps({"prompt": p, "prompt_ids": [1], "response_ids": r}) + "\n"
+                               for p, r in rows))
+    manifest = corpus.pack(answers, tmp_path / "out", name="t")
+    packed = corpus.load_corpus(tmp_path / "out" / "t.jsonl.xz")
+    assert [(r["prompt"], r["response_ids"]) for r in packed] == [("a", [2]), ("b", [3])]
+    assert manifest["records"] == 2 and manifest["response_tokens"] == 2
+
+
 def test_oneshot_dry_run_on_cpu_with_a_tiny_target(tmp_path, smol_dir):
     from transformers import AutoTokenizer
 

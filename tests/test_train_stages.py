@@ -69,6 +69,38 @@ def test_resume_and_continue_across_stages(tmp_path):
     assert [s["stage"] for s in final][-2:] == ["one", "two"] and final[-1]["steps"] == two["step"]
 
 
+def test_a_shared_feature_cache_trains_only_the_runs_own_answers(tmp_path):
+    target, cache, held, dcfg = _setup(tmp_path)  # the cache holds p0..p9; p0 and p1 are held out
+    drafter = new_drafter(target, dcfg, "target", seed=0)
+    cfg = TrainConfig(epochs=1, lr=3e-3, seqs_per_step=2, autocast=False, checkpoint_minutes=100)
+    state = train(drafter, target, cache, tmp_path / "run", cfg, heldout=held, prompts={f"p{i}" for i in range(6)})
+    lineage = json.loads((tmp_path / "run" / "drafter" / LINEAGE_FILE).read_text())
+    assert lineage[-1]["answers"] == 4 and state["step"] == 2 and state["sequences"] == 4
+
+
+def test_training_at_a_shorter_block_than_the_drafter_serves(tmp_path, monkeypatch):
+    """`train_block` 4 on a block-8 drafter: every training block has 4 slots, the drafter
+    keeps its own block size, and a block length it cannot serve is refused before work."""
+    import pytest
+
+    from dflash.errors import DFlashError
+    from dflash.train import trainer
+
+    target, cache, held, dcfg = _setup(tmp_path)
+    built = []
+    real = trainer.build_blocks
+    monkeypatch.setattr(trainer, "build_blocks", lambda ids, anchors, L, *a: built.append(L) or real(ids, anchors, L, *a))
+    drafter = new_drafter(target, dcfg, "target", seed=0)
+    state = train(drafter, target, cache, tmp_path / "run", TrainConfig(epochs=1, lr=3e-3, seqs_per_step=2,
+                                                                        autocast=False, train_block=4,
+                                                                        checkpoint_minutes=100))
+    assert state["step"] == 5 and set(built) == {4}
+    assert drafter.config.block_size == 8
+    for bad in (1, 9):
+        with pytest.raises(DFlashError, match="train_block"):
+            trainer.training_block(TrainConfig(train_block=bad), dcfg)
+
+
 def test_simulated_tau_equals_the_engines(tmp_path):
     """Greedy output is fixed, so replaying the loop from teacher-forced drafts must give the
     engine's accepted counts step for step."""

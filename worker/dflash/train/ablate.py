@@ -22,12 +22,13 @@ import shutil
 from pathlib import Path
 
 # name -> `dflash train` options. Items 3 and 4 of the drafter issue: the acceptance-aware
-# weighting against the paper's decay, fewer loss slots, and soft targets.
+# weighting against the paper's decay, fewer loss slots, soft targets, and training at block 8.
 DEFAULT_ARMS = {
     "dpace slots 1-4": "--weighting dpace --loss-positions 4",
     "dpace slots 1-16": "--weighting dpace",
     "decay slots 1-16": "--weighting decay",
     "dpace slots 1-4, soft 0.5": "--weighting dpace --loss-positions 4 --soft-mix 0.5",
+    "dpace slots 1-4, block 8": "--weighting dpace --loss-positions 4 --train-block 8",
 }
 NO_PERIODIC_EVAL_MIN = 1e9  # evaluate at the start and the end only
 
@@ -115,6 +116,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--topk", type=int, default=32, help="the target's top-k logits kept for soft-target arms")
     p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--sequences", type=int,
+                   help="train every arm on the first N answers (default: all; the corpus grows, so pin N "
+                        "to add an arm to an earlier run)")
     p.add_argument("--arm", action="append", metavar="NAME=OPTIONS",
                    help="an arm (repeatable; default: the four of DEFAULT_ARMS)")
     p.add_argument("--report", action="store_true", help="only write ablation.json and print the table")
@@ -128,6 +132,7 @@ def main(argv=None) -> int:
 
         common = ["train", "--init-from", args.init_from, "--threads", str(args.threads), "--topk", str(args.topk),
                   "--lr", str(args.lr), "--warmup-steps", "10", "--cpu-budget-min", str(args.cpu_minutes)]
+        common += ["--sequences", str(args.sequences)] if args.sequences else []
         for name, opts in arms.items():
             folder = arm_folder(out, name)
             if arm_result(folder):

@@ -44,6 +44,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_argument("--weighting", choices=["decay", "dpace", "uniform"], default="decay")
     opt.add_argument("--gamma", type=float, help="decay weighting's gamma (default 7 for block 16)")
     opt.add_argument("--loss-positions", type=int, help="only block slots 1..n carry loss (and run the LM head)")
+    opt.add_argument("--train-block", type=int,
+                     help="train at this block length (default: the drafter's; it still serves its own)")
     opt.add_argument("--soft-mix", type=float, default=0.0,
                      help="weight of the KL to the target's top-k (needs --topk)")
     opt.add_argument("--no-autocast", action="store_true", help="fp32 matmuls (default: bf16 autocast)")

@@ -112,11 +112,16 @@ def generate(out: Path, *, batch_size: int, max_new_tokens: int, window: int, li
 
 
 def pack(jsonl: Path, dest_dir: Path = CORPUS_DIR, name: str = CORPUS_NAME, extra: dict | None = None) -> dict:
-    """Compress the complete records of `jsonl` (in their generation order) into
+    """Compress the complete records of `jsonl` (in their generation order; a prompt answered
+    twice, as by two writers on one file, keeps its first answer) into
     `dest_dir/name.jsonl.xz`, write its manifest and regenerate the card."""
     from dflash.train.data import excluded_prompts, load_records
 
-    records = load_records(Path(jsonl))
+    records, seen = [], set()
+    for r in load_records(Path(jsonl)):
+        if r["prompt"] not in seen:
+            seen.add(r["prompt"])
+            records.append(r)
     excluded = excluded_prompts()
     leaked = [r["prompt"] for r in records if r["prompt"].strip() in excluded]
     if leaked:

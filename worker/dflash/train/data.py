@@ -9,6 +9,8 @@ generated in batches and appended to a JSONL file, so the step is resumable.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import random
 import time
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dflash.errors import DFlashError
 from dflash.train.sources import all_prompts
 
 
@@ -84,6 +87,18 @@ def _drop_cut_line(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
+@contextlib.contextmanager
+def sole_writer(path: Path):
+    """Hold an exclusive lock on `path` while appending to it; a second writer (the same job
+    started twice) is refused instead of interleaving its answers with the first's."""
+    with Path(path).open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DFlashError("output_in_use", f"another process is writing {path}; stop it first") from None
+        yield
+
+
 @torch.inference_mode()
 def regenerate(target, prompts: Iterable[str], out: Path, max_new_tokens: int = 256, batch_size: int = 8,
                chat: bool = True, deadline: float | None = None, window: int = 0, before_batch=None) -> int:
@@ -94,43 +109,44 @@ def regenerate(target, prompts: Iterable[str], out: Path, max_new_tokens: int = 
     `before_batch()` is called before each batch (e.g. to adapt the thread count)."""
     tok = target.tokenizer
     out.parent.mkdir(parents=True, exist_ok=True)
-    _drop_cut_line(out)
-    done = done_prompts(out)
-    todo = [p for p in dict.fromkeys(prompts) if p not in done]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_ids[0]
+    with sole_writer(out):  # two jobs on one file would answer the same prompts twice
+        _drop_cut_line(out)
+        done = done_prompts(out)
+        todo = [p for p in dict.fromkeys(prompts) if p not in done]
+        pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_ids[0]
 
-    def encode(p: str) -> list[int]:
-        if chat:
-            return list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False))
-        return tok(p).input_ids
+        def encode(p: str) -> list[int]:
+            if chat:
+                return list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False))
+            return tok(p).input_ids
 
-    encoded = [encode(p) for p in todo]
-    written = 0
-    with out.open("a") as f, tqdm(total=len(todo), desc="regenerating responses", unit="prompt") as bar:
-        for batch_idx in _windows_by_length(todo, [len(x) for x in encoded], batch_size, window):
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            if before_batch is not None:
-                before_batch()
-            batch, ids = [todo[i] for i in batch_idx], [encoded[i] for i in batch_idx]
-            width = max(map(len, ids))
-            input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=target.device)
-            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=target.device)
-            gen = target.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                        do_sample=False, eos_token_id=target.eos_ids, pad_token_id=pad)
-            lines = []
-            for prompt, prompt_ids, row in zip(batch, ids, gen[:, width:].tolist()):
-                resp = []
-                for t in row:
-                    resp.append(t)
-                    if t in target.eos_ids:
-                        break
-                lines.append(json.dumps({"prompt": prompt, "prompt_ids": prompt_ids, "response_ids": resp}) + "\n")
-            f.write("".join(lines))  # a batch lands whole or (killed mid-write) as a cut last line
-            f.flush()
-            written += len(batch)
-            bar.update(len(batch))
+        encoded = [encode(p) for p in todo]
+        written = 0
+        with out.open("a") as f, tqdm(total=len(todo), desc="regenerating responses", unit="prompt") as bar:
+            for batch_idx in _windows_by_length(todo, [len(x) for x in encoded], batch_size, window):
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                if before_batch is not None:
+                    before_batch()
+                batch, ids = [todo[i] for i in batch_idx], [encoded[i] for i in batch_idx]
+                width = max(map(len, ids))
+                input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=target.device)
+                mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=target.device)
+                gen = target.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                            do_sample=False, eos_token_id=target.eos_ids, pad_token_id=pad)
+                lines = []
+                for prompt, prompt_ids, row in zip(batch, ids, gen[:, width:].tolist()):
+                    resp = []
+                    for t in row:
+                        resp.append(t)
+                        if t in target.eos_ids:
+                            break
+                    lines.append(json.dumps({"prompt": prompt, "prompt_ids": prompt_ids, "response_ids": resp}) + "\n")
+                f.write("".join(lines))  # a batch lands whole or (killed mid-write) as a cut last line
+                f.flush()
+                written += len(batch)
+                bar.update(len(batch))
     return written
 
 

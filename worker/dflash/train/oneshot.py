@@ -84,6 +84,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--head-chunk-rows", type=int, default=32768)
     p.add_argument("--weighting", default="dpace", choices=["decay", "dpace", "uniform"])
     p.add_argument("--loss-positions", type=int, help="only block slots 1..n carry loss")
+    p.add_argument("--train-block", type=int, help="train at this block length (default: the drafter's)")
     p.add_argument("--topk", type=int, default=0, help="store the target's top-k logits as soft targets")
     p.add_argument("--soft-mix", type=float, default=0.0, help="weight of the KL-to-top-k term")
     p.add_argument("--lr", type=float, default=6e-4)
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
     from dflash.train.features import DeviceFeatures
     from dflash.train.pipeline import drafter_config_for, select, starting_drafter
     from dflash.train.simulate import with_groups
-    from dflash.train.trainer import TrainConfig, save_with_lineage, train
+    from dflash.train.trainer import TrainConfig, save_with_lineage, train, training_block
 
     t0 = time.monotonic()
     out, export = Path(args.out), Path(args.export)
@@ -134,6 +135,7 @@ def main(argv=None) -> int:
         dcfg = DrafterConfig.from_file(Path(args.init_from) / "config.json")
     else:
         dcfg = drafter_config_for(target, args.layers, args.block_size, args.target_layer_ids, args.mask_token_id)
+    training_block(TrainConfig(train_block=args.train_block), dcfg)  # fail before the features
     picked, held = select(records, None, args.heldout)
     t = time.monotonic()
     store = DeviceFeatures().build(target, picked, dcfg.target_layer_ids, topk=args.topk,
@@ -152,7 +154,8 @@ def main(argv=None) -> int:
                                         args.seed)
     cfg = TrainConfig(epochs=1000, lr=args.lr, max_anchors=args.max_anchors, seqs_per_step=args.seqs_per_step,
                       block_tokens=args.block_tokens, head_chunk_rows=args.head_chunk_rows, weighting=args.weighting,
-                      loss_positions=args.loss_positions, soft_mix=args.soft_mix, time_budget_s=args.train_min * 60,
+                      loss_positions=args.loss_positions, train_block=args.train_block, soft_mix=args.soft_mix,
+                      time_budget_s=args.train_min * 60,
                       schedule_by_budget=True, checkpoint_minutes=1.0, eval_minutes=args.eval_min,
                       snapshot_dir=str(export / "drafter"), seed=args.seed,
                       stage=f"oneshot on {args.device}: {args.weighting} weighting, soft mix {args.soft_mix}")

@@ -21,7 +21,7 @@ from dflash.engine.target import TargetModel
 from dflash.train.data import collect_prompts, load_records, read_prompt_file, regenerate
 from dflash.train.features import FeatureCache
 from dflash.train.simulate import heldout_split, with_groups
-from dflash.train.trainer import TrainConfig, read_lineage, train
+from dflash.train.trainer import TrainConfig, read_lineage, train, training_block
 
 
 def drafter_config_for(target: TargetModel, layers: int, block_size: int, layer_ids: list[int] | None,
@@ -148,9 +148,11 @@ def run(target_dir: Path, out: Path, *, prompts: int | None, max_new_tokens: int
         dcfg = DrafterConfig.from_file(Path(init_from) / "config.json")
     else:
         dcfg = drafter_config_for(target, layers, block_size, layer_ids, mask_token_id)
+    training_block(cfg, dcfg)  # a bad block length fails now, not after the features
     cache = build_features(target, picked, dcfg.target_layer_ids, features or out / "features", topk=topk)
     drafter, lineage = starting_drafter(target, dcfg, init, init_from, cfg.seed)
-    train(drafter, target, cache, out / "train", cfg, heldout=with_groups(cache.sequences, held), lineage=lineage)
+    train(drafter, target, cache, out / "train", cfg, heldout=with_groups(cache.sequences, held), lineage=lineage,
+          prompts={r["prompt"] for r in picked})  # a shared cache may hold more
     return out / "train" / "drafter"
 
 
@@ -164,6 +166,7 @@ def run_from_args(args) -> int:
         epochs=args.epochs, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup_steps,
         max_anchors=args.max_anchors, seqs_per_step=args.seqs_per_step, block_tokens=args.block_tokens,
         weighting=args.weighting, gamma=args.gamma, loss_positions=args.loss_positions, soft_mix=args.soft_mix,
+        train_block=args.train_block,
         autocast=not args.no_autocast, time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None,
         cpu_budget_s=args.cpu_budget_min * 60 if args.cpu_budget_min else None,
         schedule_by_budget=args.schedule_by_budget, checkpoint_minutes=args.checkpoint_minutes,

@@ -50,6 +50,9 @@ class TrainConfig:
     gamma: float | None = None
     dpace_alpha: float = 0.5
     loss_positions: int | None = None  # only block slots 1..n carry loss (and run the LM head)
+    # Block length trained (default: the drafter's): each anchor's block is this many slots,
+    # so a shorter one runs fewer drafter rows per anchor; the drafter still serves its own.
+    train_block: int | None = None
     soft_mix: float = 0.0  # share of the KL-to-target-top-k term (needs a store with top-k)
     autocast: bool = True  # bf16 matmuls over fp32 weights (CUDA; CPUs with AMX/AVX512-BF16)
     head_chunk_rows: int | None = None  # LM head in chunks, recomputed in backward (big GPU batches)
@@ -86,6 +89,16 @@ def budget_share(cfg: "TrainConfig", elapsed_s: float, cpu_s: float) -> float | 
     shares = [elapsed_s / cfg.time_budget_s] if cfg.time_budget_s else []
     shares += [cpu_s / cfg.cpu_budget_s] if cfg.cpu_budget_s else []
     return max(shares) if shares else None
+
+
+def training_block(cfg: "TrainConfig", dcfg) -> int:
+    """The block length a run trains at: `cfg.train_block`, at most the drafter's own."""
+    from dflash.errors import DFlashError
+
+    L = cfg.train_block or dcfg.block_size
+    if not 2 <= L <= dcfg.block_size:
+        raise DFlashError("bad_params", f"train_block must be between 2 and the drafter's block size {dcfg.block_size}, got {L}")
+    return L
 
 
 def device_label(device: torch.device) -> str:
@@ -210,10 +223,12 @@ def batch_loss(drafter: DFlashDrafter, embed: torch.Tensor, head: torch.Tensor, 
 
 
 def train(drafter: DFlashDrafter, target, store, out: Path, cfg: TrainConfig, resume: bool = True,
-          heldout: list[dict] | None = None, lineage: list[dict] | None = None) -> dict:
-    """Train on `store.sequences` (a FeatureCache or DeviceFeatures); `heldout` sequences of
-    the same store are never trained on and serve the periodic τ estimate. `lineage` is the
-    starting drafter's history (read_lineage); this stage is appended to it."""
+          heldout: list[dict] | None = None, lineage: list[dict] | None = None,
+          prompts: set[str] | None = None) -> dict:
+    """Train on `store.sequences` (a FeatureCache or DeviceFeatures), or only on those of
+    `prompts` (a cache shared between runs holds other runs' answers too); `heldout`
+    sequences of the same store are never trained on and serve the periodic τ estimate.
+    `lineage` is the starting drafter's history (read_lineage); this stage is appended to it."""
     from dflash.train.simulate import simulate_tau
 
     if cfg.weighting not in WEIGHTINGS:
@@ -224,9 +239,9 @@ def train(drafter: DFlashDrafter, target, store, out: Path, cfg: TrainConfig, re
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     dcfg = drafter.config
-    L = dcfg.block_size
+    L = training_block(cfg, dcfg)
     held = {s["prompt"] for s in heldout or []}
-    seqs = [s for s in store.sequences if s["prompt"] not in held]
+    seqs = [s for s in store.sequences if s["prompt"] not in held and (prompts is None or s["prompt"] in prompts)]
     steps_per_epoch = max(1, len(seqs) // cfg.seqs_per_step)
     total = steps_per_epoch * cfg.epochs
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, int(cfg.warmup_ratio * total))
