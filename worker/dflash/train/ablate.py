@@ -120,7 +120,7 @@ def main(argv=None) -> int:
                    help="train every arm on the first N answers (default: all; the corpus grows, so pin N "
                         "to add an arm to an earlier run)")
     p.add_argument("--arm", action="append", metavar="NAME=OPTIONS",
-                   help="an arm (repeatable; default: the four of DEFAULT_ARMS)")
+                   help="an arm (repeatable; default: every arm of DEFAULT_ARMS)")
     p.add_argument("--report", action="store_true", help="only write ablation.json and print the table")
     args = p.parse_args(argv)
     out = Path(args.out)
