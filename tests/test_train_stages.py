@@ -89,7 +89,8 @@ def test_training_at_a_shorter_block_than_the_drafter_serves(tmp_path, monkeypat
     target, cache, held, dcfg = _setup(tmp_path)
     built = []
     real = trainer.build_blocks
-    monkeypatch.setattr(trainer, "build_blocks", lambda ids, anchors, L, *a: built.append(L) or real(ids, anchors, L, *a))
+    monkeypatch.setattr(trainer, "build_blocks",
+                        lambda ids, anchors, L, *a: built.append(L) or real(ids, anchors, L, *a))
     drafter = new_drafter(target, dcfg, "target", seed=0)
     state = train(drafter, target, cache, tmp_path / "run", TrainConfig(epochs=1, lr=3e-3, seqs_per_step=2,
                                                                         autocast=False, train_block=4,

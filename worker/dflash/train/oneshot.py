@@ -135,7 +135,14 @@ def main(argv=None) -> int:
         dcfg = DrafterConfig.from_file(Path(args.init_from) / "config.json")
     else:
         dcfg = drafter_config_for(target, args.layers, args.block_size, args.target_layer_ids, args.mask_token_id)
-    training_block(TrainConfig(train_block=args.train_block), dcfg)  # fail before the features
+    cfg = TrainConfig(epochs=1000, lr=args.lr, max_anchors=args.max_anchors, seqs_per_step=args.seqs_per_step,
+                      block_tokens=args.block_tokens, head_chunk_rows=args.head_chunk_rows, weighting=args.weighting,
+                      loss_positions=args.loss_positions, train_block=args.train_block, soft_mix=args.soft_mix,
+                      time_budget_s=args.train_min * 60,
+                      schedule_by_budget=True, checkpoint_minutes=1.0, eval_minutes=args.eval_min,
+                      snapshot_dir=str(export / "drafter"), seed=args.seed,
+                      stage=f"oneshot on {args.device}: {args.weighting} weighting, soft mix {args.soft_mix}")
+    training_block(cfg, dcfg)  # a bad block length fails before the features
     picked, held = select(records, None, args.heldout)
     t = time.monotonic()
     store = DeviceFeatures().build(target, picked, dcfg.target_layer_ids, topk=args.topk,
@@ -152,13 +159,6 @@ def main(argv=None) -> int:
         child = subprocess.Popen(cmd, env=dict(os.environ, TQDM_MININTERVAL="20"))
     drafter, lineage = starting_drafter(target, dcfg, args.init, Path(args.init_from) if args.init == "from" else None,
                                         args.seed)
-    cfg = TrainConfig(epochs=1000, lr=args.lr, max_anchors=args.max_anchors, seqs_per_step=args.seqs_per_step,
-                      block_tokens=args.block_tokens, head_chunk_rows=args.head_chunk_rows, weighting=args.weighting,
-                      loss_positions=args.loss_positions, train_block=args.train_block, soft_mix=args.soft_mix,
-                      time_budget_s=args.train_min * 60,
-                      schedule_by_budget=True, checkpoint_minutes=1.0, eval_minutes=args.eval_min,
-                      snapshot_dir=str(export / "drafter"), seed=args.seed,
-                      stage=f"oneshot on {args.device}: {args.weighting} weighting, soft mix {args.soft_mix}")
     heldout = with_groups(store.sequences, held)
     state = train(drafter, target, store, out / "train", cfg, heldout=heldout, lineage=lineage)
     if (out / "train" / "best").is_dir():

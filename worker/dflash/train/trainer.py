@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from dflash.engine.drafter import DFlashDrafter, save_drafter
+from dflash.errors import DFlashError
 from dflash.train.blockwise import forward_blocks
 from dflash.train.objective import (WEIGHTINGS, build_blocks, cosine_lr, dpace_weights, sample_anchors, slot_weights,
                                     token_losses)
@@ -93,11 +94,10 @@ def budget_share(cfg: "TrainConfig", elapsed_s: float, cpu_s: float) -> float | 
 
 def training_block(cfg: "TrainConfig", dcfg) -> int:
     """The block length a run trains at: `cfg.train_block`, at most the drafter's own."""
-    from dflash.errors import DFlashError
-
     L = cfg.train_block or dcfg.block_size
     if not 2 <= L <= dcfg.block_size:
-        raise DFlashError("bad_params", f"train_block must be between 2 and the drafter's block size {dcfg.block_size}, got {L}")
+        raise DFlashError("bad_params",
+                          f"train_block must be between 2 and the drafter's block size {dcfg.block_size}, got {L}")
     return L
 
 
