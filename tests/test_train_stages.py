@@ -180,3 +180,20 @@ def test_model_card_tau_against_compute_from_the_lineage(tmp_path):
     assert "| 5 | 200 | 1,234 training answers, lr 0.0003 (constant), dpace weighting" in text
     assert json.loads((dest / LINEAGE_FILE).read_text())[-1]["yardstick"]["code"] == 1.812
     assert (dest / "model.safetensors").is_file() and text == card(dest)
+
+
+def test_the_card_rounds_the_yardstick_once(tmp_path):
+    """τ 1.2447 is 1.24 on the card: the lineage keeps 4 places, so the card's 2-place
+    rounding is the only one (3 places stored 1.245, which printed as 1.25)."""
+    from dflash.train.card import ASSET_DIR, card, read_bench
+
+    bench = {"results": [{"suite": "chat", "method": "dflash-16", "tau": 1.2446527981248168, "prompts": 40},
+                         {"suite": "chat", "method": "ar", "tau": None, "prompts": 40}]}
+    (tmp_path / "results.json").write_text(json.dumps(bench))
+    yard = read_bench(tmp_path)
+    assert yard["chat"] == 1.2447 and yard["prompts"] == {"chat": 40}
+    (tmp_path / "config.json").write_text((ASSET_DIR / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    (tmp_path / LINEAGE_FILE).write_text(json.dumps([{"stage": "s", "yardstick": yard}]))
+    text = card(tmp_path)
+    assert "**1.24** on the first 40 chat prompts" in text and "1.25" not in text
