@@ -139,7 +139,7 @@ def test_soft_targets_are_gathered_only_for_a_run_that_uses_them():
 
 
 def test_the_cosine_follows_the_larger_share_of_a_time_or_cpu_budget():
-    from dflash.train.trainer import TrainConfig, budget_share, schedule_step
+    from dflash.train.trainer import TrainConfig, budget_share, budget_spent, schedule_step
 
     assert budget_share(TrainConfig(cpu_budget_s=100), 10, 50) is None  # schedule by epochs
     cfg = TrainConfig(schedule_by_budget=True, cpu_budget_s=100)
@@ -147,5 +147,7 @@ def test_the_cosine_follows_the_larger_share_of_a_time_or_cpu_budget():
     both = TrainConfig(schedule_by_budget=True, time_budget_s=20, cpu_budget_s=100)
     assert budget_share(both, 15, 50) == 0.75 and budget_share(both, 5, 60) == 0.6
     assert schedule_step(3, 1000, 0.5) == 500  # half the budget spent: half-way down the cosine
+    assert not budget_spent(both, 19, 99) and budget_spent(both, 20, 0) and budget_spent(both, 0, 100)
+    assert not budget_spent(TrainConfig(), 1e9, 1e9)  # no budget: epochs decide
     assert schedule_step(700, 1000, 0.5) == 700  # never behind the steps taken
     assert schedule_step(3, 1000, None) == 3

@@ -69,6 +69,21 @@ def test_resume_and_continue_across_stages(tmp_path):
     assert [s["stage"] for s in final][-2:] == ["one", "two"] and final[-1]["steps"] == two["step"]
 
 
+def test_a_time_budget_covers_the_whole_run_across_resumes(tmp_path):
+    """Running a budgeted run again continues it within the same budget (and the same cosine),
+    rather than granting a fresh budget; a larger budget trains on."""
+    target, cache, held, dcfg = _setup(tmp_path)
+    cfg = TrainConfig(epochs=2, lr=3e-3, seqs_per_step=2, checkpoint_minutes=100, autocast=False,
+                      time_budget_s=1e-9, schedule_by_budget=True)
+    drafter, _ = starting_drafter(target, dcfg, "target", None, seed=0)
+    assert train(drafter, target, cache, tmp_path / "run", cfg)["step"] == 1  # the budget ends after a step
+    again = train(starting_drafter(target, dcfg, "target", None, seed=0)[0], target, cache, tmp_path / "run", cfg)
+    assert again["step"] == 1 and again["sequences"] == 2
+    larger = TrainConfig(**{**cfg.__dict__, "time_budget_s": 1e9})
+    more = train(starting_drafter(target, dcfg, "target", None, seed=0)[0], target, cache, tmp_path / "run", larger)
+    assert more["step"] == 2 * (len(cache.sequences) // 2)  # both epochs, no held-out answers here
+
+
 def test_a_shared_feature_cache_trains_only_the_runs_own_answers(tmp_path):
     target, cache, held, dcfg = _setup(tmp_path)  # the cache holds p0..p9; p0 and p1 are held out
     drafter = new_drafter(target, dcfg, "target", seed=0)

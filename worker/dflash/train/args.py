@@ -49,8 +49,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_argument("--soft-mix", type=float, default=0.0,
                      help="weight of the KL to the target's top-k (needs --topk)")
     opt.add_argument("--no-autocast", action="store_true", help="fp32 matmuls (default: bf16 autocast)")
-    opt.add_argument("--time-budget-min", type=float, help="stop training after this many minutes (resumable)")
-    opt.add_argument("--cpu-budget-min", type=float, help="stop after this much process CPU time (all threads)")
+    opt.add_argument("--time-budget-min", type=float,
+                     help="the run's training time: it stops there; run again, it resumes within what is left")
+    opt.add_argument("--cpu-budget-min", type=float,
+                     help="the run's CPU time (all threads, every resume): it stops there")
     opt.add_argument("--schedule-by-budget", action="store_true",
                      help="the cosine ends when the time or CPU budget does, not after --epochs")
     opt.add_argument("--checkpoint-minutes", type=float, default=5.0)

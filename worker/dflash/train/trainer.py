@@ -82,14 +82,25 @@ def schedule_step(step: int, total: int, budget_share: float | None) -> int:
     return step
 
 
+def _budget_shares(cfg: "TrainConfig", elapsed_s: float, cpu_s: float) -> list[float]:
+    shares = [elapsed_s / cfg.time_budget_s] if cfg.time_budget_s else []
+    return shares + ([cpu_s / cfg.cpu_budget_s] if cfg.cpu_budget_s else [])
+
+
 def budget_share(cfg: "TrainConfig", elapsed_s: float, cpu_s: float) -> float | None:
-    """How much of this call's budget is spent (the larger share of wall and CPU budget);
+    """How much of the run's budget is spent (the larger share of wall and CPU budget; the time
+    and CPU time of every call on the run, so a resumed run continues its schedule);
     None when the schedule does not follow a budget."""
     if not cfg.schedule_by_budget:
         return None
-    shares = [elapsed_s / cfg.time_budget_s] if cfg.time_budget_s else []
-    shares += [cpu_s / cfg.cpu_budget_s] if cfg.cpu_budget_s else []
+    shares = _budget_shares(cfg, elapsed_s, cpu_s)
     return max(shares) if shares else None
+
+
+def budget_spent(cfg: "TrainConfig", elapsed_s: float, cpu_s: float) -> bool:
+    """Whether the run has used up its time or CPU budget: running it again does not train
+    further (a larger budget does)."""
+    return any(share >= 1.0 for share in _budget_shares(cfg, elapsed_s, cpu_s))
 
 
 def training_block(cfg: "TrainConfig", dcfg) -> int:
@@ -303,19 +314,17 @@ def train(drafter: DFlashDrafter, target, store, out: Path, cfg: TrainConfig, re
         evaluate()  # the starting point, for the τ-against-compute table
     # Wall-clock and this process's CPU time (all threads) spent training, evaluation excluded.
     start = time.monotonic() - state["elapsed_s"]
-    call_start, call_cpu_start = state["elapsed_s"], state["cpu_s"]
     cpu_start = time.process_time() - state["cpu_s"]
     last_ckpt = last_eval = time.monotonic()
     bar = tqdm(total=total, initial=state["step"], desc="training drafter", unit="step")
     slot_correct, slot_count = torch.zeros(L), torch.zeros(L)
-    while state["step"] < total:
+    while state["step"] < total and not budget_spent(cfg, state["elapsed_s"], state["cpu_s"]):
         step = state["step"]
         epoch, i = divmod(step, steps_per_epoch)
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)  # fresh order every epoch
         order = torch.randperm(len(seqs), generator=gen)
         batch_seqs = [seqs[j] for j in order[i * cfg.seqs_per_step : (i + 1) * cfg.seqs_per_step].tolist()]
-        sched = schedule_step(step, total, budget_share(cfg, time.monotonic() - start - call_start,
-                                                        time.process_time() - cpu_start - call_cpu_start))
+        sched = schedule_step(step, total, budget_share(cfg, time.monotonic() - start, time.process_time() - cpu_start))
         if cfg.schedule == "constant":
             lr = cfg.lr * min(1.0, (step + 1) / warmup)
         else:
@@ -373,10 +382,6 @@ def train(drafter: DFlashDrafter, target, store, out: Path, cfg: TrainConfig, re
         if time.monotonic() - last_ckpt > cfg.checkpoint_minutes * 60:
             save_checkpoint()
             last_ckpt = time.monotonic()
-        if cfg.cpu_budget_s and state["cpu_s"] - call_cpu_start > cfg.cpu_budget_s:
-            break
-        if cfg.time_budget_s and state["elapsed_s"] - call_start > cfg.time_budget_s:
-            break
     bar.close()
     if heldout and cfg.eval_minutes and (not state["evals"] or state["evals"][-1]["step"] != state["step"]):
         evaluate()
