@@ -324,7 +324,7 @@ def train(drafter: DFlashDrafter, target, store, out: Path, cfg: TrainConfig, re
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)  # fresh order every epoch
         order = torch.randperm(len(seqs), generator=gen)
         batch_seqs = [seqs[j] for j in order[i * cfg.seqs_per_step : (i + 1) * cfg.seqs_per_step].tolist()]
-        sched = schedule_step(step, total, budget_share(cfg, time.monotonic() - start, time.process_time() - cpu_start))
+        sched = schedule_step(step, total, budget_share(cfg, state["elapsed_s"], state["cpu_s"]))
         if cfg.schedule == "constant":
             lr = cfg.lr * min(1.0, (step + 1) / warmup)
         else:
