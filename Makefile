@@ -89,7 +89,7 @@ images-cuda: $(STAMP)
 # builds llama.cpp once into the model cache (15-30 min on 2 cores), checks that its DFlash
 # converter and ours write the same file, runs both on 20 prompts per suite (README "llama.cpp").
 peers: setup
-	$(BIN)/python -m dflash.bench.peers --out bench-out/peers --limit 20 --max-new-tokens 48 --threads 2 --readme README.md
+	$(BIN)/python -m dflash.bench.peers --out bench-out/peers --limit 20 --max-new-tokens 48 --threads 2 --readme docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) bench-out .pytest_cache $(WHEELS)

@@ -12,7 +12,8 @@ A U+0000 in an answer (PostgreSQL text cannot hold it) comes back as U+FFFD.
 import json
 
 from dflash.serve.client import Client, WorkerError
-from dflash.serve.protocol import BAD_INPUT, GENERATE_OPTIONS, pg_text, wants_prior
+from dflash.options import SQL_OPTIONS
+from dflash.serve.protocol import BAD_INPUT, HISTORY_TOKENS, pg_text, wants_prior, wants_workload, workload_key
 
 # Worker error code -> (SQLSTATE, hint); bad input is 22023. DF000-DF002 are dflash's own class.
 SQLSTATES = {
@@ -46,12 +47,21 @@ def fail(plpy, message, sqlstate, hint=None, detail=None):
     plpy.error(message, sqlstate=sqlstate, **extra)
 
 
-def call(plpy, op, params, cfg=None):
+def call(plpy, op, params, cfg=None, history=None):
+    """One request to the worker. `history`: how to read the workload's past outputs, should
+    the worker have no memory of the request's workload yet (it answers need_history; the
+    request is sent again with them)."""
     cfg = cfg or settings(plpy)
     socket_path = cfg["socket_path"]
     client = Client(socket_path, connect_timeout=int(cfg.get("connect_timeout_ms", 2000)) / 1000.0, slice_s=0.05)
     try:
-        return client.call(op, params, timeout_ms=_timeout_ms(plpy, cfg), check=lambda: plpy.execute("SELECT 1"))
+        check = lambda: plpy.execute("SELECT 1")  # noqa: E731
+        try:
+            return client.call(op, params, timeout_ms=_timeout_ms(plpy, cfg), check=check)
+        except WorkerError as exc:
+            if exc.code != "need_history" or history is None:
+                raise
+            return client.call(op, dict(params, history=history()), timeout_ms=_timeout_ms(plpy, cfg), check=check)
     except WorkerError as exc:
         if exc.code in BAD_INPUT:
             state, hint = "22023", None
@@ -73,7 +83,7 @@ def generation_params(plpy, fn, prompt, args):
     _check_not_null(plpy, fn, prompt=prompt, **{k: args[k] for k in ("max_new_tokens", "temperature", "top_p",
                                                                       "top_k", "chat") if k in args})
     params = {"prompt": prompt}
-    params.update({k: args[k] for k in GENERATE_OPTIONS if k in args and args[k] is not None})
+    params.update({k: args[k] for k in SQL_OPTIONS if k in args and args[k] is not None})
     return params
 
 
@@ -104,6 +114,23 @@ def record(plpy, mode, params, result, total_ms, source_table=None):
 
 
 _PRIOR = "SELECT dflash.workload_prior($1, pg_catalog.current_user()) AS prior"
+_HISTORY = "SELECT h.output_ids FROM dflash.workload_history($1, pg_catalog.current_user(), $2) h"
+_ME = "SELECT pg_catalog.current_user()::text AS me"
+
+
+def workload(plpy, request, source_table=None):
+    """The workload the request drafts from (the caller's direct calls, or the caller's rows
+    of this table), and how to read its history: under the caller's row security, so it
+    only ever holds rows the caller could read."""
+    me = plpy.execute(_plan(plpy, "me", _ME, []))[0]["me"]
+    oid = None if source_table is None else int(source_table)
+    request["workload"] = workload_key(me, oid)
+
+    def history():
+        plan = _plan(plpy, "history", _HISTORY, ["regclass", "int"])
+        return [list(r["output_ids"]) for r in plpy.execute(plan, [source_table, HISTORY_TOKENS])]
+
+    return history
 
 
 def workload_prior(plpy, source_table=None):
@@ -125,7 +152,8 @@ def generate(plpy, fn, prompt, args, mode="sync", source_table=None):
     request = dict(params, remember=cfg.get("remember", "on") == "on")
     if wants_prior(params):
         request["prior"] = workload_prior(plpy, source_table)
-    result = pg_text(call(plpy, "generate", request, cfg))
+    history = workload(plpy, request, source_table) if wants_workload(params) else None
+    result = pg_text(call(plpy, "generate", request, cfg, history))
     total_ms = (time.monotonic() - t) * 1000
     result["generation_id"] = record(plpy, mode, params, result, total_ms, source_table)
     result.pop("memory", None)  # stored; not part of what the caller sees
@@ -133,13 +161,33 @@ def generate(plpy, fn, prompt, args, mode="sync", source_table=None):
 
 
 def generate_many(plpy, prompts, args):
+    """dflash_generate(text[]): one batched request (the worker serves every prompt in the
+    same engine steps), one dflash.generations row per prompt."""
+    import time
+
     _check_not_null(plpy, "dflash_generate", prompts=prompts)
-    return [generate(plpy, "dflash_generate", p, args)["text"] for p in prompts]
+    if any(p is None for p in prompts):
+        fail(plpy, "dflash_generate: prompts must not contain NULL", "22004")
+    if not prompts:
+        return []
+    params = generation_params(plpy, "dflash_generate", prompts[0], args)
+    del params["prompt"]
+    cfg = settings(plpy)
+    t = time.monotonic()
+    request = dict(params, prompts=list(prompts), remember=cfg.get("remember", "on") == "on")
+    if wants_prior(params):
+        request["prior"] = workload_prior(plpy)
+    history = workload(plpy, request) if wants_workload(params) else None
+    results = pg_text(call(plpy, "generate_many", request, cfg, history))["results"]
+    total_ms = (time.monotonic() - t) * 1000
+    for prompt, result in zip(prompts, results):
+        record(plpy, "sync", dict(params, prompt=prompt), result, total_ms)
+    return [r["text"] for r in results]
 
 
 def generate_block(plpy, prompt, block_size):
-    _check_not_null(plpy, "dflash_generate_block", prompt=prompt, block_size=block_size)
-    r = pg_text(call(plpy, "generate_block", {"prompt": prompt, "block_size": block_size, "chat": True}))
+    _check_not_null(plpy, "dflash_generate_block", prompt=prompt)
+    r = pg_text(call(plpy, "generate_block", {"prompt": prompt, "block_size": block_size}))
     return [(r["draft_ids"], r["draft_text"], r["accepted"], r["accepted_text"], r["next_token_id"],
              r["next_token_text"], r["anchor_text"])]
 
@@ -167,7 +215,6 @@ def trigger_sync(plpy, TD):
     if not plpy.execute("SELECT pg_catalog.pg_has_role('dflash_user', 'USAGE') AS ok")[0]["ok"]:
         fail(plpy, f"dflash: inserting into {TD['table_schema']}.{TD['table_name']} generates text, which only "
              "members of dflash_user may do", "42501", hint="GRANT dflash_user TO the inserting role")
-    options.setdefault("chat", True)  # as the queue consumer does
     prompt = TD["new"].get(prompt_col)
     if prompt is None:
         return None
@@ -177,10 +224,11 @@ def trigger_sync(plpy, TD):
 
 
 def block_policy(plpy):
-    """The rows of the view dflash.block_policy: per workload the caller may see, its pooled
-    acceptance and what block length auto expects of it on the worker's device."""
+    """The rows of the view dflash.block_policy: per workload the caller may see (a role's
+    direct calls, or a role's rows of a table), its pooled acceptance, what block length auto
+    expects of it on the worker's device, and who drafted for it."""
     workloads = plpy.execute(
-        "SELECT g.source_table::oid AS tbl, CASE WHEN g.source_table IS NULL THEN g.calling_role END AS role"
+        "SELECT g.source_table::oid AS tbl, g.calling_role AS role"
         " FROM dflash.generations g WHERE g.status = 'ok' AND g.accepted_per_position IS NOT NULL"
         " GROUP BY 1, 2 ORDER BY 1 NULLS FIRST, 2")
     plan = _plan(plpy, "prior_of", "SELECT dflash.workload_prior($1::oid::regclass, $2) AS prior", ["oid", "name"])
@@ -192,8 +240,17 @@ def block_policy(plpy):
         lengths = ex["lengths"]
         rows.append((w["tbl"], w["role"], prior["generations"], prior["drafter"], ex["acceptance"],
                      [r["expected_tau"] for r in lengths], [r["tokens_per_s"] for r in lengths],
-                     [r["relative_cost"] for r in lengths], ex["start_block_size"]))
+                     [r["relative_cost"] for r in lengths], ex["start_block_size"],
+                     json.dumps(proposer_shares(prior.get("proposers") or {}))))
     return rows
+
+
+def proposer_shares(pooled):
+    """Per proposer: its share of the drafted steps and its acceptance (kept / verified)."""
+    steps = sum(c["steps"] for c in pooled.values())
+    return {name: {**c, "share": c["steps"] / steps if steps else None,
+                   "acceptance": c["accepted"] / c["drafted"] if c["drafted"] else None}
+            for name, c in sorted(pooled.items())}
 
 
 _VERSION = ("SELECT v.version, v.sha256, v.path FROM dflash.drafter_versions v"

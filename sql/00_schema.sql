@@ -11,17 +11,13 @@
 CREATE SCHEMA dflash;
 
 -- Settings that matter for security (the worker's socket path) live here, not in GUCs
--- any user could SET. Only the owner (a superuser) may change them.
-CREATE TABLE dflash.config (
+-- any user could SET. Only the owner (a superuser) may change them (dflash.set_config).
+-- This table holds the settings changed from their defaults; the view dflash.config
+-- (03_config.sql) reads every setting with its default. Only changed settings are rows, so
+-- pg_dump keeps them (96_dump.sql) and a restore adds them to a fresh install.
+CREATE TABLE dflash.settings (
     key   text PRIMARY KEY,
     value text NOT NULL,
     CONSTRAINT config_known_key CHECK (key IN (
         'socket_path', 'connect_timeout_ms', 'default_timeout_ms', 'remember', 'queue_max_attempts'))
 );
-
-INSERT INTO dflash.config (key, value) VALUES
-    ('socket_path', '/run/dflash/worker.sock'),  -- the worker's default socket
-    ('connect_timeout_ms', '2000'),              -- how long a call waits to get through to the worker
-    ('default_timeout_ms', '0'),                 -- 0: only statement_timeout limits a call
-    ('remember', 'on'),                          -- store generations in dflash.memory
-    ('queue_max_attempts', '5');                 -- tries per queued row before dflash.queue_failed

@@ -1,5 +1,6 @@
--- Changing a setting of dflash.config (00_schema.sql). A function file: an upgrade runs it
--- again as CREATE OR REPLACE (extension/Makefile).
+-- Changing a setting of dflash.config (03_config.sql; the changed ones are rows of
+-- dflash.settings, 00_schema.sql). A function file: an upgrade runs it again as CREATE OR
+-- REPLACE (extension/Makefile).
 
 CREATE FUNCTION dflash.set_config(key text, value text) RETURNS void
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
@@ -19,12 +20,13 @@ BEGIN
     IF problem IS NOT NULL THEN
         RAISE EXCEPTION 'dflash.set_config: % %, got "%"', key, problem, value USING ERRCODE = '22023';
     END IF;
-    UPDATE dflash.config SET value = set_config.value WHERE config.key = set_config.key;
-    IF NOT FOUND THEN
+    IF NOT EXISTS (SELECT FROM dflash.config c WHERE c.key = set_config.key) THEN
         RAISE EXCEPTION 'dflash.set_config: unknown setting "%"', key
             USING ERRCODE = '22023',
                   HINT = 'known settings: ' || (SELECT string_agg(c.key, ', ' ORDER BY c.key) FROM dflash.config c);
     END IF;
+    INSERT INTO dflash.settings AS s (key, value) VALUES (set_config.key, set_config.value)
+    ON CONFLICT ON CONSTRAINT settings_pkey DO UPDATE SET value = EXCLUDED.value;
 END
 $$;
 COMMENT ON FUNCTION dflash.set_config(text, text) IS

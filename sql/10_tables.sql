@@ -13,7 +13,7 @@ CREATE TABLE dflash.generations (
     drafter         text,
     drafter_version text,         -- the drafter's weights digest, 16 hex digits (dflash.drafter_versions)
     params          jsonb NOT NULL DEFAULT '{}',
-    block_size      int,
+    block_size      int,          -- the fixed block size; NULL for block length auto (see verify_lengths)
     steps           int,
     new_tokens      int,
     tau             float8,
@@ -31,7 +31,9 @@ CREATE TABLE dflash.generations (
     calling_role    name NOT NULL DEFAULT current_user,
     source_table    regclass,
     created_at      timestamptz NOT NULL DEFAULT now(),
-    finished_at     timestamptz NOT NULL DEFAULT clock_timestamp()
+    finished_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
+    proposers       jsonb,        -- {"dflash": {"steps", "drafted", "accepted"}, "suffix": {...}}: who drafted what
+    backend         text          -- what computed it: the worker's target backend ("hf", ...) or remote engine
 );
 CREATE INDEX generations_created_at ON dflash.generations (created_at);
 CREATE INDEX generations_calling_role ON dflash.generations (calling_role);
@@ -62,7 +64,10 @@ CREATE TABLE dflash.generation_targets (
     options            jsonb NOT NULL DEFAULT '{}',
     enabled            boolean NOT NULL DEFAULT true,
     share_for_training boolean NOT NULL DEFAULT false,  -- the owner lets this table's rows train drafters
-    created_at         timestamptz NOT NULL DEFAULT now()
+    created_at         timestamptz NOT NULL DEFAULT now(),
+    -- Names the table's writer, dflash.write_<writer_id>: unlike the table's OID it survives
+    -- pg_dump and restore (40_triggers.sql).
+    writer_id          bigserial NOT NULL UNIQUE
 );
 
 -- One item per inserted row: the key and prompt as text (read by the inserting role),

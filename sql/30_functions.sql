@@ -10,18 +10,21 @@ CREATE FUNCTION @extschema@.dflash_generate(
     top_p float8 DEFAULT 1,
     top_k int DEFAULT 0,
     seed bigint DEFAULT NULL,
-    chat boolean DEFAULT true
+    chat boolean DEFAULT true,
+    proposals boolean DEFAULT true
 ) RETURNS text
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE SET search_path = pg_catalog, pg_temp AS $$
 @BRIDGE@
 return dflash_pg.generate(plpy, "dflash_generate", prompt, dict(max_new_tokens=max_new_tokens,
-    temperature=temperature, block_size=block_size, top_p=top_p, top_k=top_k, seed=seed, chat=chat))["text"]
+    temperature=temperature, block_size=block_size, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
+    proposals=proposals))["text"]
 $$;
-COMMENT ON FUNCTION @extschema@.dflash_generate(text, int, float8, int, float8, int, bigint, boolean) IS
+COMMENT ON FUNCTION @extschema@.dflash_generate(text, int, float8, int, float8, int, bigint, boolean, boolean) IS
     'Generate text with DFlash speculative decoding (lossless: greedy output equals the target''s own). '
     'NULL block_size (the default) means auto: each step''s length chosen by what pays on the worker''s device, '
-    'starting from what this workload learned before (dflash.block_policy). Records a row in dflash.generations '
-    'and dflash.memory.';
+    'starting from what this workload learned before (dflash.block_policy); with proposals (the default) the '
+    'suffix proposer also drafts from the prompt, the output so far and this workload''s past outputs. Records a '
+    'row in dflash.generations and dflash.memory.';
 
 CREATE FUNCTION @extschema@.dflash_generate_stats(
     prompt text,
@@ -31,15 +34,17 @@ CREATE FUNCTION @extschema@.dflash_generate_stats(
     top_p float8 DEFAULT 1,
     top_k int DEFAULT 0,
     seed bigint DEFAULT NULL,
-    chat boolean DEFAULT true
+    chat boolean DEFAULT true,
+    proposals boolean DEFAULT true
 ) RETURNS jsonb
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE SET search_path = pg_catalog, pg_temp AS $$
 @BRIDGE@
 import json
 return json.dumps(dflash_pg.generate(plpy, "dflash_generate_stats", prompt, dict(max_new_tokens=max_new_tokens,
-    temperature=temperature, block_size=block_size, top_p=top_p, top_k=top_k, seed=seed, chat=chat)))
+    temperature=temperature, block_size=block_size, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
+    proposals=proposals)))
 $$;
-COMMENT ON FUNCTION @extschema@.dflash_generate_stats(text, int, float8, int, float8, int, bigint, boolean) IS
+COMMENT ON FUNCTION @extschema@.dflash_generate_stats(text, int, float8, int, float8, int, bigint, boolean, boolean) IS
     'Like dflash_generate, but returns the whole result as jsonb: text, output_ids, steps, tau, '
     'acceptance_rate, accepted_per_position, timings and the dflash.generations id.';
 
@@ -51,17 +56,19 @@ CREATE FUNCTION @extschema@.dflash_generate(
     top_p float8 DEFAULT 1,
     top_k int DEFAULT 0,
     seed bigint DEFAULT NULL,
-    chat boolean DEFAULT true
+    chat boolean DEFAULT true,
+    proposals boolean DEFAULT true
 ) RETURNS text[]
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE SET search_path = pg_catalog, pg_temp AS $$
 @BRIDGE@
 return dflash_pg.generate_many(plpy, prompts, dict(max_new_tokens=max_new_tokens,
-    temperature=temperature, block_size=block_size, top_p=top_p, top_k=top_k, seed=seed, chat=chat))
+    temperature=temperature, block_size=block_size, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
+    proposals=proposals))
 $$;
-COMMENT ON FUNCTION @extschema@.dflash_generate(text[], int, float8, int, float8, int, bigint, boolean) IS
+COMMENT ON FUNCTION @extschema@.dflash_generate(text[], int, float8, int, float8, int, bigint, boolean, boolean) IS
     'Batch form of dflash_generate: one output per prompt, in order.';
 
-CREATE FUNCTION @extschema@.dflash_generate_block(prompt text, block_size int DEFAULT 16)
+CREATE FUNCTION @extschema@.dflash_generate_block(prompt text, block_size int DEFAULT NULL)
 RETURNS TABLE (draft_ids int[], draft_text text, accepted int, accepted_text text,
                next_token_id int, next_token_text text, first_token_text text)
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE SET search_path = pg_catalog, pg_temp AS $$

@@ -14,8 +14,9 @@
 
 -- A key's text form must not depend on the session that wrote it: the trigger and the
 -- writer both use these settings (the writer converts the text back to the key's type).
--- TG_ARGV: the generation target's OID (a partition's rows are queued for their
--- partitioned parent), the prompt column, the key column.
+-- TG_ARGV: the generation target's qualified name (a partition's rows are queued for their
+-- partitioned parent; a name, not an OID, so a pg_dump and restore keeps the trigger
+-- working), the prompt column, the key column.
 CREATE FUNCTION dflash._enqueue() RETURNS trigger
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -35,8 +36,8 @@ BEGIN
     IF prompt_text IS NULL THEN
         RETURN NULL;  -- nothing to generate from
     END IF;
-    INSERT INTO dflash.queue (tbl, key_value, prompt) VALUES (TG_ARGV[0]::oid, key_text, prompt_text);
-    PERFORM pg_notify('dflash_queue', TG_ARGV[0]);
+    INSERT INTO dflash.queue (tbl, key_value, prompt) VALUES (TG_ARGV[0]::regclass, key_text, prompt_text);
+    PERFORM pg_notify('dflash_queue', '');
     RETURN NULL;
 END
 $$;
@@ -66,14 +67,16 @@ BEGIN ATOMIC
     WHERE i.indrelid = tbl AND i.indisprimary AND i.indnatts = 1;
 END;
 
--- The writer of one table: dflash.write_<table oid>(key text, output text, prompt text) sets the output
--- column of the row with that key, if its prompt is still that prompt, and returns how many
--- rows it set (0 or 1). Owned by the table's owner and run as them; only dflash_worker
--- may call it. If its owner makes it run as the caller, it refuses before touching the table.
+-- The writer of one table: dflash.write_<writer_id>(key text, output text, prompt text) sets
+-- the output column of the row with that key, if its prompt is still that prompt, and
+-- returns how many rows it set (0 or 1). Owned by the table's owner and run as them; only
+-- dflash_worker may call it. If its owner makes it run as the caller, it refuses before
+-- touching the table. It names the table, and its target's writer_id names it, so both
+-- survive a pg_dump and restore (OIDs do not).
 CREATE FUNCTION dflash._writer_name(tbl regclass) RETURNS name
-LANGUAGE sql IMMUTABLE PARALLEL SAFE SET search_path = pg_catalog, pg_temp
+LANGUAGE sql STABLE PARALLEL SAFE SET search_path = pg_catalog, pg_temp
 BEGIN ATOMIC
-    SELECT ('write_' || tbl::oid::text)::name;
+    SELECT ('write_' || g.writer_id::text)::name FROM dflash.generation_targets g WHERE g.tbl = _writer_name.tbl;
 END;
 
 CREATE FUNCTION dflash._make_writer(tbl regclass) RETURNS void
@@ -104,7 +107,7 @@ DECLARE
     dflash_rows int;
 BEGIN
     IF (current_user OPERATOR(pg_catalog.=) (SELECT pg_catalog.pg_get_userbyid(c.relowner) FROM pg_catalog.pg_class c
-                                              WHERE c.oid OPERATOR(pg_catalog.=) %s::pg_catalog.oid)) IS NOT TRUE THEN
+                                              WHERE c.oid OPERATOR(pg_catalog.=) %L::pg_catalog.regclass)) IS NOT TRUE THEN
         RAISE EXCEPTION USING ERRCODE = '42501', MESSAGE = %L;
     END IF;
     UPDATE %I.%I SET %I = $2 WHERE %I OPERATOR(%I.%s) $1::%s AND %I OPERATOR(pg_catalog.=) $3;
@@ -112,7 +115,7 @@ BEGIN
     RETURN dflash_rows;
 END
 $body$,
-        tbl::oid,
+        format('%I.%I', t.nspname, t.relname),
         format('dflash: the writer of %s.%s does not run as the table''s owner; run dflash.enable_generation again',
                quote_ident(t.nspname), quote_ident(t.relname)),
         t.nspname, t.relname, t.output_column, k.attname, k.oprschema, k.oprname, k.type, t.prompt_column);
@@ -143,6 +146,24 @@ BEGIN
         RAISE EXCEPTION '%: must be the owner of table %', fn, tbl USING ERRCODE = '42501';
     END IF;
     RETURN rel;
+END
+$$;
+
+-- The table's dflash_generate trigger, from its generation target.
+CREATE FUNCTION dflash._make_trigger(tbl regclass) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    g dflash.generation_targets;
+BEGIN
+    SELECT * INTO g FROM dflash.generation_targets t WHERE t.tbl = _make_trigger.tbl;
+    IF g.mode = 'async' THEN
+        EXECUTE format('CREATE TRIGGER dflash_generate AFTER INSERT ON %s FOR EACH ROW '
+                       'EXECUTE FUNCTION dflash._enqueue(%L, %L, %L)', tbl, tbl::text, g.prompt_column, g.key_column);
+    ELSE
+        EXECUTE format('CREATE TRIGGER dflash_generate BEFORE INSERT ON %s FOR EACH ROW '
+                       'EXECUTE FUNCTION dflash._generate_row(%L, %L, %L)', tbl, g.prompt_column, g.output_column,
+                       g.options);
+    END IF;
 END
 $$;
 
@@ -179,17 +200,17 @@ BEGIN
             USING ERRCODE = '22023';
     END IF;
     SELECT string_agg(key, ', ') INTO bad FROM jsonb_each(gen_options)
-    WHERE key NOT IN ('max_new_tokens', 'temperature', 'block_size', 'top_p', 'top_k', 'seed', 'chat');
+    WHERE key NOT IN ('max_new_tokens', 'temperature', 'block_size', 'top_p', 'top_k', 'seed', 'chat', 'proposals');
     IF bad IS NOT NULL THEN
         RAISE EXCEPTION 'dflash.enable_generation: unknown options: %', bad USING ERRCODE = '22023',
-            HINT = 'options: mode, max_new_tokens, temperature, block_size, top_p, top_k, seed, chat';
+            HINT = 'options: mode, max_new_tokens, temperature, block_size, top_p, top_k, seed, chat, proposals';
     END IF;
     SELECT string_agg(key, ', ') INTO bad FROM jsonb_each(gen_options)
-    WHERE jsonb_typeof(value) <> CASE key WHEN 'chat' THEN 'boolean' ELSE 'number' END
+    WHERE jsonb_typeof(value) <> CASE WHEN key IN ('chat', 'proposals') THEN 'boolean' ELSE 'number' END
       AND NOT (key IN ('block_size', 'seed') AND jsonb_typeof(value) = 'null');
     IF bad IS NOT NULL THEN
         RAISE EXCEPTION 'dflash.enable_generation: options of the wrong JSON type: %', bad USING ERRCODE = '22023',
-            HINT = 'chat is a boolean, the others are numbers';
+            HINT = 'chat and proposals are booleans, the others are numbers';
     END IF;
     rel := dflash._owned_table('dflash.enable_generation', tbl);
     IF rel.relpersistence = 't' AND mode = 'async' THEN
@@ -221,19 +242,14 @@ BEGIN
     PERFORM dflash._drop_trigger(tbl);
     IF mode = 'async' THEN
         PERFORM dflash._make_writer(tbl);
-        EXECUTE format('CREATE TRIGGER dflash_generate AFTER INSERT ON %s FOR EACH ROW '
-                       'EXECUTE FUNCTION dflash._enqueue(%L, %L, %L)', tbl, tbl::oid, prompt_column, key_col);
-    ELSE
-        EXECUTE format('CREATE TRIGGER dflash_generate BEFORE INSERT ON %s FOR EACH ROW '
-                       'EXECUTE FUNCTION dflash._generate_row(%L, %L, %L)', tbl, prompt_column, output_column,
-                       gen_options);
     END IF;
+    PERFORM dflash._make_trigger(tbl);
 END
 $$;
 COMMENT ON FUNCTION dflash.enable_generation(regclass, name, name, jsonb) IS
     'Generate output_column from prompt_column for every row inserted into a table you own. options: '
     '{"mode": "async"} (default: queued, filled by the worker) or {"mode": "sync"} (filled within the INSERT), '
-    'plus max_new_tokens, temperature, block_size, top_p, top_k, seed, chat. Partitioned tables, any schema '
+    'plus max_new_tokens, temperature, block_size, top_p, top_k, seed, chat, proposals. Partitioned tables, any schema '
     'and any single-column primary key work.';
 
 CREATE FUNCTION dflash.disable_generation(tbl regclass) RETURNS void
@@ -255,18 +271,15 @@ COMMENT ON FUNCTION dflash.disable_generation(regclass) IS
 CREATE FUNCTION dflash._forget_dropped_tables() RETURNS event_trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    gone oid;
+    gone record;
 BEGIN
     FOR gone IN
-        SELECT d.objid FROM pg_event_trigger_dropped_objects() d
+        SELECT d.objid, g.writer_id FROM pg_event_trigger_dropped_objects() d
         JOIN dflash.generation_targets g ON g.tbl::oid = d.objid
         WHERE d.classid = 'pg_class'::regclass AND d.objsubid = 0
     LOOP
-        DELETE FROM dflash.generation_targets g WHERE g.tbl::oid = gone;
-        EXECUTE format('DROP FUNCTION IF EXISTS dflash.%I(text, text, text)', dflash._writer_name(gone::regclass));
+        DELETE FROM dflash.generation_targets g WHERE g.tbl::oid = gone.objid;
+        EXECUTE format('DROP FUNCTION IF EXISTS dflash.%I(text, text, text)', 'write_' || gone.writer_id);
     END LOOP;
 END
 $$;
-CREATE EVENT TRIGGER dflash_forget_dropped_tables ON sql_drop
-    WHEN TAG IN ('DROP TABLE', 'DROP SCHEMA', 'DROP OWNED')
-    EXECUTE FUNCTION dflash._forget_dropped_tables();

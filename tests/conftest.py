@@ -41,9 +41,9 @@ def smol_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smol_target(smol_dir):
-    from dflash.engine.target import TargetModel
+    from dflash.engine.target.hf import HFTarget
 
-    return TargetModel.from_pretrained(smol_dir)
+    return HFTarget.from_pretrained(smol_dir)
 
 
 @pytest.fixture(scope="session")
@@ -81,7 +81,7 @@ def cpu_like_costs(block: int = 8):
 def make_tiny_target(vocab: int = TINY_VOCAB, context: int = 96, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash.engine.target import TargetModel
+    from dflash.engine.target.hf import HFTarget
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
@@ -98,7 +98,7 @@ def make_tiny_target(vocab: int = TINY_VOCAB, context: int = 96, seed: int = 0):
         initializer_range=0.5,  # peaked, varied distributions, unlike the usual 0.02
         attn_implementation="sdpa",
     )
-    return TargetModel(LlamaForCausalLM(cfg).float().eval(), name="tiny")
+    return HFTarget(LlamaForCausalLM(cfg).float().eval(), name="tiny")
 
 
 def tiny_drafter_config(vocab: int = TINY_VOCAB, block_size: int = 8):
@@ -278,13 +278,13 @@ def worker(make_worker):
 def slow_engine(tiny_text_engine, monkeypatch):
     """Every target forward takes >= 5 ms, so generations last long enough to interrupt."""
     target = tiny_text_engine.target
-    real = target.forward
+    real = target.forward_batch
 
     def slow(*args, **kwargs):
         time.sleep(0.005)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(target, "forward", slow)
+    monkeypatch.setattr(target, "forward_batch", slow)
     return tiny_text_engine
 
 

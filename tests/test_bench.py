@@ -135,7 +135,7 @@ def test_journal_resumes_an_interrupted_run(tiny_text_engine, tmp_path, monkeypa
     journal.write_text("\n".join(lines[:4]) + "\n" + lines[4][:10])  # stopped mid-write
     calls = []
     real = Runner.run
-    monkeypatch.setattr(Runner, "run", lambda self, m, ids: calls.append(m) or real(self, m, ids))
+    monkeypatch.setattr(Runner, "run", lambda self, m, ids, *a: calls.append(m) or real(self, m, ids, *a))
     resumed = run_bench(tiny_text_engine, ["chat"], ["ar", "dflash-4"], 3, 5, journal=journal, resume=True)
     # warm-ups, then only what was missing: prompt 1's dflash-4 (cut mid-line) and prompt 2
     assert calls == ["ar", "dflash-4"] + ["dflash-4", "ar", "dflash-4"]

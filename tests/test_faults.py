@@ -16,6 +16,7 @@ import psycopg
 import pytest
 from psycopg import errors
 
+from dflash.errors import DFlashError
 from dflash.serve.client import Client, WorkerError
 from dflash.serve.protocol import HEADER, recv_frame, send_frame
 from tests.sqlenv import ALICE, BOB, alice, connect, drain, roles, scalar, su, worker_dsn  # noqa: F401
@@ -39,14 +40,21 @@ def make_table(alice, name: str, options: str = '{"max_new_tokens": 2}') -> str:
 
 
 class StandIn:
-    """A worker whose generation does what a test needs (the consumer calls only submit)."""
+    """A worker whose generation does what a test needs (the consumer queues a job with
+    submit_async and waits for its result with wait)."""
 
     embedder = None
 
     def __init__(self, on_prompt=lambda prompt: None):
         self.on_prompt = on_prompt
 
-    def submit(self, op, params):
+    def submit_async(self, op, params):
+        return params
+
+    def knows_workload(self, key):
+        return True
+
+    def wait(self, params):
         self.on_prompt(params["prompt"])
         return {"text": f"answer to {params['prompt']}", "new_tokens": 1}
 
@@ -60,7 +68,11 @@ from dflash.serve.queue import QueueConsumer
 
 class Worker:
     embedder = None
-    def submit(self, op, params):
+    def submit_async(self, op, params):
+        return params
+    def knows_workload(self, key):
+        return True
+    def wait(self, params):
         if "poison" in params["prompt"]:
             os._exit(9)
         return {"text": "answer to " + params["prompt"], "new_tokens": 1}
@@ -88,6 +100,39 @@ def test_a_poison_prompt_that_kills_the_worker_ends_in_queue_failed(su, alice, w
     assert attempts == 3 and "did not finish" in error
     assert scalar(su, f"SELECT answer FROM {table} WHERE prompt = 'a healthy row'") == "answer to a healthy row"
     assert scalar(su, f"SELECT count(*) FROM dflash.queue WHERE tbl = '{table}'::regclass") == 0
+
+
+def test_the_consumer_claims_a_batch_and_runs_it_together(su, alice, worker_dsn):
+    """Up to `batch` due rows are claimed at once and all their generations are in flight
+    before the first answer is waited for; each row is then written in its own savepoint, so
+    one failing row leaves the others filled."""
+    from dflash.serve.queue import QueueConsumer
+
+    table = make_table(alice, "together")
+    alice.execute(f"INSERT INTO {table} (prompt) SELECT 'row ' || i FROM generate_series(1, 5) i")
+    log = []
+
+    class Recorder(StandIn):
+        def submit_async(self, op, params):
+            log.append(("start", params["prompt"]))
+            return params
+
+        def wait(self, params):
+            log.append(("wait", params["prompt"]))
+            if params["prompt"] == "row 2":
+                raise DFlashError("bad_params", "this one fails")
+            return super().wait(params)
+
+    consumer = QueueConsumer(Recorder(), worker_dsn, backoff_s=0, batch=3)
+    with consumer.connect() as conn:
+        assert consumer.process_batch(conn)
+    assert [k for k, _ in log] == ["start"] * 3 + ["wait"] * 3
+    filled = su.execute(f"SELECT prompt FROM {table} WHERE answer IS NOT NULL ORDER BY id").fetchall()
+    assert [r[0] for r in filled] == ["row 1", "row 3"]
+    left = scalar(su, f"SELECT count(*) + count(*) FILTER (WHERE last_error = 'this one fails') FROM dflash.queue"
+                      f" WHERE tbl = '{table}'::regclass")
+    su.execute(f"DELETE FROM dflash.queue WHERE tbl = '{table}'::regclass")  # leave nothing for other tests
+    assert left == 3 + 1  # rows 4 and 5 not claimed yet, row 2 waits for its retry
 
 
 def test_a_connection_cut_mid_generation_counts_as_an_attempt(su, alice, worker_dsn, max_attempts):

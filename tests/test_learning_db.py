@@ -23,7 +23,7 @@ from psycopg import errors
 
 from dflash.engine.drafter import init_random_drafter, save_drafter
 from dflash.engine.engine import Engine
-from dflash.engine.target import TargetModel
+from dflash.engine.target.hf import HFTarget
 from dflash.engine.versions import label, load_versioned
 from dflash.errors import DFlashError
 from dflash.serve.server import Worker
@@ -63,7 +63,7 @@ def models(tmp_path_factory, smol_dir):
 @pytest.fixture(scope="module")
 def learn_worker(pg_server, pg_dsn, models):
     """A worker on the copy target with the `rand` drafter, which PostgreSQL calls."""
-    target = TargetModel.from_pretrained(models["target"])
+    target = HFTarget.from_pretrained(models["target"])
     drafter, sha = load_versioned(models["rand"])
     engine = Engine(target, drafter, "rand", cost_curve=cpu_like_costs(), drafter_sha256=sha)
     worker = Worker(engine, None, socket_path=str(pg_server.socket_dir / "learn.sock"),

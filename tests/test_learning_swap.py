@@ -78,7 +78,7 @@ def test_swap_between_steps_keeps_started_states_on_their_drafter():
     req = GenerationRequest(input_ids=[5, 6, 7], max_new_tokens=40, block_size=8)
     alone_old = engine.generate(req)
     started = engine.start(req)
-    engine.step(started)
+    engine.step([started])
     swapped = engine.swap_drafter(_copy_drafter(), "copy")
     assert swapped["previous"] == {"drafter": "rand", "drafter_version": old_version}
     assert swapped["cost_curve_kept"] and engine.drafter_version != old_version
@@ -86,11 +86,12 @@ def test_swap_between_steps_keeps_started_states_on_their_drafter():
     while not (started.done and later.done):  # interleaved, as the worker runs them
         for s in (started, later):
             if not s.done:
-                engine.step(s)
+                engine.step([s])
+    assert (started.proposals["dflash"].drafter.version == old_version
+            and later.proposals["dflash"].drafter.version == engine.drafter_version)
     before, after = engine.finish(started), engine.finish(later)
     # The started state drafted with the old drafter to its end: the same steps as alone.
     assert [s.draft_ids for s in before.stats.steps] == [s.draft_ids for s in alone_old.stats.steps]
-    assert started.drafter.version == old_version and later.drafter.version == engine.drafter_version
     # The later one drafts with the new drafter, which the target always agrees with.
     assert after.stats.tau > 7 and before.stats.tau < 2
     assert before.output_ids == after.output_ids == alone_old.output_ids  # lossless either way

@@ -211,7 +211,7 @@ def test_cost_curve_is_measured_once_and_cached(tmp_path, tiny_engine, monkeypat
 
     calls = []
     real = costs.measure
-    monkeypatch.setattr(costs, "measure", lambda e: calls.append(1) or real(e))
+    monkeypatch.setattr(costs, "measure", lambda e, *a: calls.append(1) or real(e, *a))
     # timing noise on a tiny model must not decide this test; the spot check has its own
     monkeypatch.setattr(costs, "is_stale", lambda checks: False)
     first = load_or_measure(tiny_engine, tmp_path)
@@ -242,7 +242,7 @@ def test_cached_curve_measured_under_load_is_measured_again(tmp_path, tiny_engin
     path = cache_path(real.key, tmp_path)
     calls = []
     measure = costs.measure
-    monkeypatch.setattr(costs, "measure", lambda e: calls.append(1) or measure(e))
+    monkeypatch.setattr(costs, "measure", lambda e, *a: calls.append(1) or measure(e, *a))
 
     path.write_text(json.dumps(_scaled(real, 20.0).to_dict()))  # measured while busy
     checks = costs.spot_check(tiny_engine, _scaled(real, 20.0))

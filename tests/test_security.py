@@ -213,7 +213,8 @@ def test_a_writer_made_to_run_as_its_caller_refuses_before_touching_the_table(su
         CREATE TRIGGER b BEFORE UPDATE ON sec_alice.flipped FOR EACH STATEMENT EXECUTE FUNCTION sec_alice.trap2();
     """)
     alice.execute("SELECT dflash.enable_generation('sec_alice.flipped', 'prompt', 'answer', '{\"max_new_tokens\": 4}')")
-    writer = scalar(alice, "SELECT 'dflash.write_' || 'sec_alice.flipped'::regclass::oid")
+    writer = scalar(alice, "SELECT 'dflash.write_' || writer_id FROM dflash.generation_targets"
+                           " WHERE tbl = 'sec_alice.flipped'::regclass")
     alice.execute(f"ALTER FUNCTION {writer}(text, text, text) SECURITY INVOKER")
     alice.execute(f"ALTER FUNCTION {writer}(text, text, text) SET search_path = sec_alice, pg_catalog")
     alice.execute("INSERT INTO sec_alice.flipped (prompt) VALUES ('Say hi.')")
@@ -234,10 +235,11 @@ def test_the_superuser_helpers_cannot_be_turned_against_another_member(su, alice
     """dflash._make_writer runs as the superuser but takes only an OID: called on Bob's
     table it rebuilds Bob's writer, owned by Bob. Bob's writer and queue are out of reach."""
     bobs = scalar(su, "SELECT 'sec_bob.notes'::regclass::oid")
+    writer = scalar(su, "SELECT dflash._writer_name('sec_bob.notes')")
     alice.execute("SELECT dflash._make_writer(%s::oid::regclass)", (bobs,))
-    assert scalar(su, f"SELECT proowner::regrole::text FROM pg_proc WHERE proname = 'write_{bobs}'") == BOB
+    assert scalar(su, f"SELECT proowner::regrole::text FROM pg_proc WHERE proname = '{writer}'") == BOB
     with pytest.raises(errors.InsufficientPrivilege):
-        alice.execute(f"SELECT dflash.write_{bobs}('1', 'pwned', 'Name a bird.')")
+        alice.execute(f"SELECT dflash.{writer}('1', 'pwned', 'Name a bird.')")
     with pytest.raises(errors.InsufficientPrivilege):
         alice.execute("INSERT INTO dflash.queue (tbl, key_value, prompt) VALUES ('sec_bob.notes', '1', 'x')")
     with pytest.raises(errors.InsufficientPrivilege):
@@ -397,9 +399,11 @@ def test_a_dropped_table_takes_its_target_and_writer_with_it(su, alice):
     alice.execute("CREATE TABLE sec_alice.gone (id int PRIMARY KEY, prompt text, answer text)")
     alice.execute("SELECT dflash.enable_generation('sec_alice.gone', 'prompt', 'answer')")
     oid = scalar(su, "SELECT 'sec_alice.gone'::regclass::oid")
+    writer = scalar(su, "SELECT dflash._writer_name('sec_alice.gone')")
+    assert scalar(su, "SELECT to_regproc(%s)", f"dflash.{writer}") is not None
     alice.execute("DROP TABLE sec_alice.gone")
     assert scalar(su, "SELECT count(*) FROM dflash.generation_targets WHERE tbl::oid = %s", oid) == 0
-    assert scalar(su, "SELECT to_regproc(%s)", f"dflash.write_{oid}") is None
+    assert scalar(su, "SELECT to_regproc(%s)", f"dflash.{writer}") is None
 
 
 # --- search_path, the install script, the catalog ---------------------------------------------
@@ -480,7 +484,7 @@ GOLDEN = """
 | dflash.config | SELECT | denied | allowed | allowed | allowed |
 | dflash.record_generation | own rows | denied | allowed | allowed | allowed |
 | dflash.record_generation | as another role | denied | denied | allowed | allowed |
-| dflash.write_&lt;oid&gt; (a table's writer) | EXECUTE | denied | denied | denied | allowed |
+| dflash.write_&lt;writer_id&gt; (a table's writer) | EXECUTE | denied | denied | denied | allowed |
 | a member's table | SELECT, UPDATE | denied | denied | denied | denied |
 | dflash.generations | SELECT own | denied | allowed | allowed | - |
 | dflash.generations | SELECT others' prompts and outputs | denied | denied | allowed | denied |
@@ -549,7 +553,7 @@ def actions(bob_writer: str) -> dict:
         ("dflash.record_generation", "own rows"): [f"SELECT dflash.record_generation('sync', 'p', '{{}}', {REC}, 0, 0)"],
         ("dflash.record_generation", "as another role"): [
             f"SELECT dflash.record_generation('sync', 'p', '{{}}', {REC}, 0, 0, NULL, 'sec_bob')"],
-        ("dflash.write_&lt;oid&gt; (a table's writer)", "EXECUTE"): [f"SELECT {bob_writer}('0', 'x', 'y')"],
+        ("dflash.write_&lt;writer_id&gt; (a table's writer)", "EXECUTE"): [f"SELECT {bob_writer}('0', 'x', 'y')"],
         ("a member's table", "SELECT, UPDATE"): ["SELECT * FROM sec_bob.notes",
                                                  "UPDATE sec_bob.notes SET answer = 'x'"],
         ("dflash.generations", "SELECT own"): ["SELECT 1 FROM dflash.generations WHERE calling_role = '{me}'"],
@@ -637,7 +641,7 @@ def matrix_rows(traps, sql_worker):
                        " FROM dflash.queue_failed", (f"{role}.own", role))
         su.execute("UPDATE dflash.memory SET shared = true WHERE id = (SELECT max(id) FROM dflash.memory"
                    " WHERE calling_role = %s)", (BOB,))
-        return "dflash.write_" + str(scalar(su, "SELECT 'sec_bob.notes'::regclass::oid"))
+        return "dflash." + str(scalar(su, "SELECT dflash._writer_name('sec_bob.notes')"))
 
 
 def test_the_privilege_matrix_is_the_golden_one(traps, matrix_rows):

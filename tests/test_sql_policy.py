@@ -41,7 +41,10 @@ def member(pg_dsn, sql_worker, request):
 
 
 def _first_step_length(conn) -> int:
-    stats = conn.execute("SELECT dflash_generate_stats('Tell me about tables.', max_new_tokens => 24)").fetchone()[0]
+    """The drafter's first step under the workload's prior (proposals off: the suffix
+    proposer, which drafts from the workload's outputs, is not what these tests are about)."""
+    stats = conn.execute("SELECT dflash_generate_stats('Tell me about tables.', max_new_tokens => 24,"
+                         " proposals => false)").fetchone()[0]
     assert stats["block_policy"] == "auto"
     return len(stats["steps"][0]["draft_ids"]) + 1
 

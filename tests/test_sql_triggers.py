@@ -39,7 +39,7 @@ class QueueWorker:
         self.args = [
             sys.executable, "-m", "dflash.cli", "serve", "--target", str(tiny_dirs / "target"),
             "--drafter", str(tiny_dirs / "drafter"), "--socket", str(sock), "--no-embedder",
-            "--database", dsn, "--poll-s", "0.2", "--threads", "1",
+            "--database", dsn, "--poll-s", "0.2", "--threads", "1", "--queue-batch", "4",
         ]
         self.log = log
         self.proc = None
@@ -137,16 +137,19 @@ def test_rolled_back_insert_queues_nothing(db):
 
 
 def test_exactly_once_when_the_worker_is_killed(db, queue_worker):
+    """The consumer claims and generates 4 rows at a time (--queue-batch 4) and commits them
+    together: killed in the middle of a batch, it loses none and fills none twice."""
     make_table(db, "notes_kill", '{"max_new_tokens": 300, "block_size": 1}')
-    n = 4
+    n = 12
     for i in range(n):
         db.execute("INSERT INTO notes_kill (prompt) VALUES (%s)", (f"Write a long story number {i}.",))
     done = "SELECT count(*) FROM dflash.generations WHERE source_table = 'notes_kill'::regclass"
     queue_worker.start()
     assert wait_until(lambda: scalar(db, done) >= 1, timeout=60)
-    queue_worker.kill()  # most likely in the middle of the next item
+    queue_worker.kill()  # most likely in the middle of the next batch
     left = scalar(db, "SELECT count(*) FROM dflash.queue WHERE tbl = 'notes_kill'::regclass")
     assert left == n - scalar(db, done) and left > 0
+    assert scalar(db, done) % 4 == 0  # whole batches committed, nothing of the interrupted one
     queue_worker.start()
     queued = "SELECT count(*) FROM dflash.queue WHERE tbl = 'notes_kill'::regclass"
     assert wait_until(lambda: scalar(db, queued) == 0, timeout=60)

@@ -27,7 +27,7 @@ def test_generate_equals_start_then_steps(tiny_engine, block_size):
     state = tiny_engine.start(req)
     steps = []
     while not state.done:
-        steps.append(tiny_engine.step(state))
+        steps.append(tiny_engine.step([state])[0])
     parts = tiny_engine.finish(state)
     assert parts.output_ids == whole.output_ids
     assert [s.accepted for s in parts.stats.steps] == [s.accepted for s in whole.stats.steps]
@@ -50,14 +50,14 @@ def test_two_states_interleaved_equal_each_alone(tiny_engine):
     while not all(s.done for s in states):
         for s in states:
             if not s.done:
-                tiny_engine.step(s)
+                tiny_engine.step([s])
     assert [tiny_engine.finish(s).output_ids for s in states] == alone
 
 
 def test_generate_block_is_one_step(worker_client, tiny_text_engine):
     req = GenerationRequest(prompt="Say hi.", chat=True, max_new_tokens=9, block_size=8)
     state = tiny_text_engine.start(req)
-    step = tiny_text_engine.step(state)
+    step = tiny_text_engine.step([state])[0]
     got = worker_client.call("generate_block", {"prompt": "Say hi.", "block_size": 8})
     assert got["anchor_id"] == state.output_ids[0]
     assert got["draft_ids"] == step.draft_ids and len(step.draft_ids) == 7

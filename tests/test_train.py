@@ -11,7 +11,7 @@ from dflash.engine.drafter import load_drafter
 from dflash.engine.engine import Engine, GenerationRequest
 from dflash.train.data import collect_prompts, excluded_prompts, load_records
 from dflash.train.features import FeatureCache
-from dflash.bench.run import PROMPT_DIR as PROMPTS_DIR
+from dflash.suites import HERE as PROMPTS_DIR
 from dflash.train.blockwise import forward_blocks
 from dflash.train.objective import build_blocks, sample_anchors, slot_weights
 from dflash.train.pipeline import drafter_config_for, init_from_target

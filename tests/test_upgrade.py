@@ -1,14 +1,16 @@
-"""ALTER EXTENSION dflash UPDATE from 0.1.0, as released at commit 026bb26, to the current
-version (extension/dflash.control): the upgraded database's catalog is the one a fresh
+"""ALTER EXTENSION dflash UPDATE from each released version (0.1.0 as released at commit
+026bb26, 0.2.0 as shipped at 6371f7e) to the current one (extension/dflash.control),
+through the chain of upgrade scripts: the upgraded database's catalog is the one a fresh
 install makes, the old rows are still there for their owners, and tables with generation
-enabled under 0.1.0 keep working, through the current triggers and the owner's writer.
+enabled under the old version keep working, through the current triggers and the owner's
+writer.
 
-The 0.1.0 install script is built from that commit with that commit's Makefile and
-installed beside the current files (the local back end: the server's share directory is
-this machine's; `make install-extension` must have installed the current version). Its
+Each old install script is built from its commit with that commit's Makefile and installed
+beside the current files (the local back end: the server's share directory is this
+machine's; `make install-extension` must have installed the current version). Its
 PL/Python module is not: the bridge's folder has no version, and nothing here calls
-PL/Python under 0.1.0. The test runs on a cluster of its own, so the roles 0.1.0 lacked
-really are missing before the upgrade.
+PL/Python under an old version. The test runs on a cluster of its own, so the roles 0.1.0
+lacked really are missing before its upgrade.
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ pytestmark = pytest.mark.pg
 
 REPO = Path(__file__).resolve().parents[1]
 
-RELEASE_COMMIT = "026bb26"  # dflash 0.1.0 as released
-OLD = "0.1.0"
+RELEASES = {"0.1.0": "026bb26", "0.2.0": "6371f7e"}  # each version's release commit
 ALICE, BOB, EVE = "upg_alice", "upg_bob", "upg_eve"  # members alice and bob; eve is none
 OLD_PROMPT = "queued before the upgrade"
 
@@ -46,31 +47,46 @@ def unavailable(msg: str):
     pytest.skip(msg)
 
 
-# The released install script, frozen (as built by the release commit's own Makefile for
-# Debian's PostgreSQL 15), so the test needs no git history (CI may clone shallowly).
-RELEASED_SCRIPT = REPO / "tests" / "fixtures" / f"dflash--{OLD}.sql"
+def released_script(version: str) -> Path:
+    """The released install script, frozen (as built by the release commit's own Makefile for
+    Debian's PostgreSQL 15), so the test needs no git history (CI may clone shallowly)."""
+    return REPO / "tests" / "fixtures" / f"dflash--{version}.sql"
 
 
-def has_release_commit() -> bool:
-    return subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{RELEASE_COMMIT}^{{commit}}"],
+def has_commit(commit: str) -> bool:
+    return subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{commit}^{{commit}}"],
                           capture_output=True).returncode == 0
 
 
-def test_the_frozen_release_script_is_what_the_release_built(tmp_path):
-    if not has_release_commit():
-        pytest.skip(f"commit {RELEASE_COMMIT} is not in this clone (a shallow clone): nothing to compare with")
-    assert build_old_install_script(tmp_path).read_bytes() == RELEASED_SCRIPT.read_bytes()
+@pytest.mark.parametrize("version", sorted(RELEASES))
+def test_the_frozen_release_script_is_what_the_release_built(tmp_path, version):
+    if not has_commit(RELEASES[version]):
+        pytest.skip(f"commit {RELEASES[version]} is not in this clone (a shallow clone): nothing to compare with")
+    assert build_old_install_script(tmp_path, version).read_bytes() == released_script(version).read_bytes()
 
 
-def build_old_install_script(workdir: Path) -> Path:
-    """dflash--0.1.0.sql built from the release commit by its own Makefile."""
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", RELEASE_COMMIT, "sql", "extension"],
-                             check=True, capture_output=True).stdout
+def test_the_frozen_upgrade_step_is_what_0_2_0_shipped(tmp_path):
+    """sql/upgrade/dflash--0.1.0--0.2.0.sql is the script 0.2.0 built, its bridge lines a placeholder."""
+    commit = RELEASES["0.2.0"]
+    if not has_commit(commit):
+        pytest.skip(f"commit {commit} is not in this clone (a shallow clone): nothing to compare with")
+    built = (build_old_install_script(tmp_path, "0.2.0", "dflash--0.1.0--0.2.0.sql")).read_text()
+    ours = subprocess.run(["make", "-s", "--no-print-directory", "-C", str(REPO / "extension"),
+                           "dflash--0.1.0--0.2.0.sql"], capture_output=True, text=True, check=True)
+    assert ours.returncode == 0
+    frozen = (REPO / "extension" / "dflash--0.1.0--0.2.0.sql").read_text()
+    assert frozen.split("\n")[2:] == built.split("\n")[1:]  # all but their first comment lines
+
+
+def build_old_install_script(workdir: Path, version: str, name: str | None = None) -> Path:
+    """dflash--VERSION.sql (or another of its scripts) built from the release commit by its own Makefile."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", RELEASES[version], "sql",
+                              "extension"], check=True, capture_output=True).stdout
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
         tar.extractall(workdir, filter="data")
-    subprocess.run(["make", "-s", "-C", str(workdir / "extension"), f"dflash--{OLD}.sql"], check=True,
-                   capture_output=True)
-    return workdir / "extension" / f"dflash--{OLD}.sql"
+    name = name or f"dflash--{version}.sql"
+    subprocess.run(["make", "-s", "-C", str(workdir / "extension"), name], check=True, capture_output=True)
+    return workdir / "extension" / name
 
 
 def install_beside(script: Path, share: Path) -> None:
@@ -98,9 +114,11 @@ def cluster(pg_backend):
     new = current_version()
     control = share / "dflash.control"
     installed = re.search(r"^default_version\s*=\s*'([^']+)'", control.read_text(), re.M) if control.exists() else None
-    if not installed or installed.group(1) != new or not (share / f"dflash--{OLD}--{new}.sql").exists():
-        unavailable(f"dflash {new} and its upgrade from {OLD} are not installed in {share}: run `make install-extension`")
-    install_beside(RELEASED_SCRIPT, share)
+    steps = ("dflash--0.1.0--0.2.0.sql", f"dflash--0.2.0--{new}.sql")
+    if not installed or installed.group(1) != new or not all((share / f).exists() for f in steps):
+        unavailable(f"dflash {new} and its upgrades are not installed in {share}: run `make install-extension`")
+    for version in RELEASES:
+        install_beside(released_script(version), share)
     server = start_local_cluster()
     yield server
     server.stop()
@@ -132,21 +150,23 @@ def user_tables(server, su, db: str) -> None:
     su.execute("SELECT dflash.enable_generation('alice.instant', 'prompt', 'answer', '{\"mode\": \"sync\"}')")
 
 
-def make_upgraded(server, db: str = "upgraded"):
-    """A 0.1.0 database with alice's tables, a queued row and a generation, then updated.
-    Returns the roles that existed before the update and the update's notices."""
+def make_upgraded(server, old: str, db: str):
+    """A database of an old version with alice's tables, a queued row and a generation, then
+    updated. Returns the roles that existed before the update and the update's notices."""
     with connect(server, "postgres") as su:
         su.execute(f"CREATE DATABASE {db}")
-        for role in (ALICE, BOB, EVE):
-            su.execute(f"CREATE ROLE {role} LOGIN")
+        for role in (ALICE, BOB, EVE):  # one cluster for every old version: made once
+            if su.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone() is None:
+                su.execute(f"CREATE ROLE {role} LOGIN")
     with connect(server, db) as su:
-        su.execute(f"CREATE EXTENSION dflash VERSION '{OLD}' CASCADE")
-        assert su.execute("SELECT extversion FROM pg_extension WHERE extname = 'dflash'").fetchone()[0] == OLD
+        su.execute(f"CREATE EXTENSION dflash VERSION '{old}' CASCADE")
+        assert su.execute("SELECT extversion FROM pg_extension WHERE extname = 'dflash'").fetchone()[0] == old
         roles_and_schema(su)
         # 0.1.0's enable_generation only worked for superusers (it created a trigger on a
         # function members could not execute), so the superuser enables alice's tables.
         user_tables(server, su, db)
-        su.execute("SELECT dflash.enable_generation('alice.strict', 'prompt', 'answer', '{\"temperature\": \"0\"}')")
+        if old == "0.1.0":  # it let a string through where a number belongs; 0.2.0 refuses it
+            su.execute("SELECT dflash.enable_generation('alice.strict', 'prompt', 'answer', '{\"temperature\": \"0\"}')")
         with connect(server, db, ALICE) as alice:
             alice.execute("CREATE TABLE alice.gone (id int PRIMARY KEY, prompt text, answer text)")
             su.execute("SELECT dflash.enable_generation('alice.gone', 'prompt', 'answer')")
@@ -172,15 +192,18 @@ def make_fresh(server, db: str = "fresh") -> None:
         user_tables(server, su, db)
 
 
-@pytest.fixture(scope="module")
-def upgraded(cluster):
-    return (cluster, *make_upgraded(cluster))
+@pytest.fixture(scope="module", params=sorted(RELEASES))
+def upgraded(cluster, request):
+    """(server, roles before, notices, database, old version) for a database updated from each release."""
+    old = request.param
+    db = "upgraded_" + old.replace(".", "_")
+    return (cluster, *make_upgraded(cluster, old, db), db, old)
 
 
 @pytest.fixture(scope="module")
-def fresh(upgraded):
-    make_fresh(upgraded[0])
-    return upgraded[0]
+def fresh(cluster):
+    make_fresh(cluster)
+    return cluster
 
 
 # --- the catalog of what dflash made, oids of user tables written as their names -------------
@@ -263,13 +286,19 @@ CATALOG = {
 
 
 def oid_names(conn) -> dict[str, str]:
-    return {str(oid): name for oid, name in conn.execute(
+    names = {str(oid): name for oid, name in conn.execute(
         "SELECT c.oid, c.oid::regclass::text FROM pg_class c WHERE c.relnamespace = 'alice'::regnamespace")}
+    # A writer is named by its target's writer_id, which differs between databases made differently.
+    names.update({f"write_{w}": f"write_<{t}>" for w, t in conn.execute(
+        "SELECT g.writer_id, g.tbl::text FROM dflash.generation_targets g")})
+    return names
 
 
 def normalise(value, names: dict[str, str]):
-    """A user table's oid (in a writer's name and body, a trigger's arguments) as its name."""
+    """A user table's oid (in a writer's body, a trigger's arguments) and a writer's name as
+    the table's name."""
     if isinstance(value, str):
+        value = re.sub(r"write_\d+", lambda m: names.get(m[0], m[0]), value)
         return re.sub(r"(?<!\d)\d{4,}(?!\d)", lambda m: f"<{names[m[0]]}>" if m[0] in names else m[0], value)
     if isinstance(value, (list, tuple)):
         return tuple(normalise(v, names) for v in value)
@@ -300,32 +329,35 @@ def schema_dump(server, db: str) -> list[str]:
 # --- the tests ---------------------------------------------------------------------------------
 
 
-def test_update_path_is_installed(cluster):
+def test_update_paths_are_installed(cluster):
     with connect(cluster, "postgres") as su:
-        paths = dict(su.execute("SELECT target, path FROM pg_extension_update_paths('dflash') WHERE source = %s",
-                                (OLD,)).fetchall())
-    assert paths.get(current_version()) == f"{OLD}--{current_version()}"
+        paths = {src: dict(su.execute("SELECT target, path FROM pg_extension_update_paths('dflash') WHERE source = %s",
+                                      (src,)).fetchall()) for src in RELEASES}
+    new = current_version()
+    assert paths["0.1.0"].get(new) == f"0.1.0--0.2.0--{new}" and paths["0.2.0"].get(new) == f"0.2.0--{new}"
 
 
-def test_the_upgrade_script_refuses_to_run_outside_alter_extension(cluster):
-    """Fed to psql, it says to use ALTER EXTENSION and changes nothing."""
+@pytest.mark.parametrize("step", ["0.1.0--0.2.0", "0.2.0--CURRENT"])
+def test_the_upgrade_scripts_refuse_to_run_outside_alter_extension(cluster, step):
+    """Fed to psql, each says to use ALTER EXTENSION and changes nothing."""
     from dflash.localpg import pg_bindir
 
     share = Path(subprocess.check_output(["pg_config", "--sharedir"], text=True).strip()) / "extension"
+    db = "guard_" + step.replace(".", "_").replace("-", "_").lower()
     with connect(cluster, "postgres") as su:
-        su.execute("CREATE DATABASE guard")
-    out = subprocess.run([str(pg_bindir() / "psql"), "-v", "ON_ERROR_STOP=1", "-d", cluster.dsn("guard"), "-f", "-"],
-                         input=(share / f"dflash--{OLD}--{current_version()}.sql").read_text(),
+        su.execute(f"CREATE DATABASE {db}")
+    out = subprocess.run([str(pg_bindir() / "psql"), "-v", "ON_ERROR_STOP=1", "-d", cluster.dsn(db), "-f", "-"],
+                         input=(share / f"dflash--{step.replace('CURRENT', current_version())}.sql").read_text(),
                          capture_output=True, text=True)
     assert 'Use "ALTER EXTENSION dflash UPDATE' in out.stdout + out.stderr
-    with connect(cluster, "guard") as guard:
+    with connect(cluster, db) as guard:
         assert guard.execute("SELECT count(*) FROM pg_namespace WHERE nspname = 'dflash'").fetchone()[0] == 0
         assert guard.execute("SELECT count(*) FROM pg_tables WHERE tablename = 'generations'").fetchone()[0] == 0
 
 
 def test_catalog_equals_a_fresh_install(upgraded, fresh):
-    server = upgraded[0]
-    got, want = catalog(server, "upgraded"), catalog(server, "fresh")
+    server, db = upgraded[0], upgraded[3]
+    got, want = catalog(server, db), catalog(server, "fresh")
     assert set(got) == set(want) == set(CATALOG)
     for part in CATALOG:
         assert want[part], f"{part}: the fresh install has none (a query that cannot fail)"
@@ -333,40 +365,44 @@ def test_catalog_equals_a_fresh_install(upgraded, fresh):
 
 
 def test_schema_dump_equals_a_fresh_install(upgraded, fresh):
-    server = upgraded[0]
-    assert schema_dump(server, "upgraded") == schema_dump(server, "fresh")
+    server, db = upgraded[0], upgraded[3]
+    assert schema_dump(server, db) == schema_dump(server, "fresh")
 
 
 def test_roles_created(upgraded):
-    server, before, _ = upgraded
-    assert before == {"dflash_user", "dflash_worker"}  # what 0.1.0 made
-    with connect(server, "upgraded") as su:
+    server, before, _, db, old = upgraded
+    if old == "0.1.0":
+        assert before == {"dflash_user", "dflash_worker"}  # what 0.1.0 made
+    with connect(server, db) as su:
         member = su.execute("SELECT pg_has_role('dflash_admin', 'dflash_user', 'MEMBER'), "
                             "pg_has_role('dflash_admin', 'dflash_trainer', 'MEMBER')").fetchone()
     assert member == (True, True)
 
 
 def test_old_rows_stay_their_owners(upgraded):
-    server = upgraded[0]
-    with connect(server, "upgraded", ALICE) as alice:
+    server, db = upgraded[0], upgraded[3]
+    with connect(server, db, ALICE) as alice:
         assert alice.execute("SELECT prompt, output, calling_role FROM dflash.generations").fetchall() == [
             ("hi", "hello", ALICE)]
         assert alice.execute("SELECT prompt, calling_role, shared FROM dflash.memory").fetchall() == [
             ("hi", ALICE, False)]
         assert alice.execute("SELECT key_value, prompt, calling_role FROM dflash.queue").fetchall() == [
             ("1", OLD_PROMPT, ALICE)]
-    with connect(server, "upgraded", BOB) as bob:  # row-level security: another member sees none of them
+    with connect(server, db, BOB) as bob:  # row-level security: another member sees none of them
         for table in ("generations", "memory", "queue"):
             assert bob.execute(f"SELECT count(*) FROM dflash.{table}").fetchone()[0] == 0, table
 
 
 def test_enabled_tables_move_to_the_new_triggers(upgraded):
-    server, _, notices = upgraded
-    with connect(server, "upgraded") as su:
+    server, _, notices, db, old = upgraded
+    with connect(server, db) as su:
         targets = dict(su.execute("SELECT tbl::text, enabled FROM dflash.generation_targets").fetchall())
         # The dropped table's target is gone; strict's options are refused, so it is disabled.
-        assert targets == {"alice.notes": True, "alice.instant": True, "alice.strict": False}
-        assert any(sev == "WARNING" and "alice.strict" in msg for sev, msg in notices), notices
+        if old == "0.1.0":
+            assert targets == {"alice.notes": True, "alice.instant": True, "alice.strict": False}
+            assert any(sev == "WARNING" and "alice.strict" in msg for sev, msg in notices), notices
+        else:
+            assert targets == {"alice.notes": True, "alice.instant": True}
         triggers = dict(su.execute("SELECT tgrelid::regclass::text, tgfoid::regprocedure::text FROM pg_trigger "
                                    "WHERE tgname = 'dflash_generate'").fetchall())
         assert triggers == {"alice.notes": "dflash._enqueue()", "alice.instant": "dflash._generate_row()"}
@@ -381,7 +417,7 @@ def test_enabled_tables_move_to_the_new_triggers(upgraded):
         assert su.execute("SELECT has_any_column_privilege('dflash_worker', 'alice.notes', 'SELECT, UPDATE')"
                           ).fetchone()[0] is False
         su.execute("ALTER ROLE dflash_worker LOGIN")
-        fill_through_the_new_path(server, writer.split("(")[0])
+        fill_through_the_new_path(server, db, writer.split("(")[0])
         # The trigger runs as the inserting role now, who must be a member (0.1.0 queued rows
         # for anyone who could insert). Rolled back: the catalog test compares alice's ACLs.
         with su.transaction(force_rollback=True):
@@ -392,14 +428,14 @@ def test_enabled_tables_move_to_the_new_triggers(upgraded):
                 su.execute("INSERT INTO alice.notes (id, prompt) VALUES (3, 'not a member')")
 
 
-def fill_through_the_new_path(server, writer: str) -> None:
-    with connect(server, "upgraded", ALICE) as alice:
+def fill_through_the_new_path(server, db: str, writer: str) -> None:
+    with connect(server, db, ALICE) as alice:
         alice.execute("INSERT INTO alice.notes (id, prompt) VALUES (2, 'after the upgrade')")
         assert alice.execute("SELECT key_value, calling_role FROM dflash.queue ORDER BY id").fetchall() == [
             ("1", ALICE), ("2", ALICE)]
-    with connect(server, "upgraded", "dflash_worker") as worker:  # the row queued under 0.1.0, filled
+    with connect(server, db, "dflash_worker") as worker:  # the row queued under the old version, filled
         assert worker.execute(f"SELECT {writer}('1', 'filled', %s)", (OLD_PROMPT,)).fetchone()[0] == 1
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             worker.execute("SELECT answer FROM alice.notes")
-    with connect(server, "upgraded", ALICE) as alice:
+    with connect(server, db, ALICE) as alice:
         assert alice.execute("SELECT answer FROM alice.notes WHERE id = 1").fetchone()[0] == "filled"

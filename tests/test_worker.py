@@ -318,3 +318,58 @@ def test_peer_credentials(make_worker):
     with pytest.raises(WorkerError) as err:
         call(denied, "status")
     assert err.value.code == "forbidden"
+
+
+# --- several requests in one batch --------------------------------------------------------
+
+
+def _solo(engine, params):
+    return engine.generate(GenerationRequest(**params)).output_ids
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_one_request_of_a_batch_stops_and_the_others_go_on(worker, slow_engine, how):
+    others = [{"input_ids": [5 + i, 6, 7], "max_new_tokens": 60, "block_size": b} for i, b in enumerate((1, 4))]
+    expected = [_solo(slow_engine, p) for p in others]
+    got, errors = {}, []
+
+    def run(i, params, **kw):
+        try:
+            got[i] = call(worker, "generate", params, **kw)["output_ids"]
+        except WorkerError as exc:
+            errors.append(exc.code)
+
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(others)]
+    victim = {"request_id": "victim"} if how == "cancel" else {"timeout_ms": 300}
+    threads.append(threading.Thread(target=run, args=("victim", LONG), kwargs=victim))
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: worker.status()["batch_last_step"] == 3)  # all three in one step
+    if how == "cancel":
+        assert call(worker, "cancel", {"request_id": "victim"}) == {"cancelled": True}
+    for t in threads:
+        t.join(timeout=30)
+    assert errors == ["cancelled" if how == "cancel" else "deadline"]
+    assert [got[0], got[1]] == expected
+    assert wait_until(lambda: worker.in_flight == 0)
+
+
+def test_generate_many_is_one_batched_request(worker, tiny_text_engine):
+    prompts = [f"Tell me about the number {i}." for i in range(5)]
+    params = {"max_new_tokens": 10, "chat": True}
+    expected = [_solo(tiny_text_engine, dict(params, prompt=p)) for p in prompts]
+    before = call(worker, "status")
+    got = call(worker, "generate_many", dict(params, prompts=prompts))
+    after = call(worker, "status")
+    assert [r["output_ids"] for r in got["results"]] == expected
+    assert all(r["new_tokens"] == len(r["output_ids"]) for r in got["results"])
+    # Served together: about as many engine steps as the longest one, not one per token of all.
+    assert after["engine_steps"] - before["engine_steps"] <= max(len(e) for e in expected) + 2
+    assert after["requests_served"]["generate_many"] == before["requests_served"]["generate_many"] + 1
+
+
+@pytest.mark.parametrize("prompts", [[], ["ok", 3], "not a list", ["x"] * 1025])
+def test_generate_many_refuses_bad_prompts(worker, prompts):
+    with pytest.raises(WorkerError) as err:
+        call(worker, "generate_many", {"prompts": prompts, "max_new_tokens": 2})
+    assert err.value.code == "bad_params"

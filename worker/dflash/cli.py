@@ -37,38 +37,31 @@ def add_generate_args(p: argparse.ArgumentParser, required: bool = True) -> None
     src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--input-ids", type=_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int,
-                   help="verify length every step: 1 = plain decoding, up to the drafter's block size; "
-                        "default: auto (chosen per step by the device's cost curve)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--verify", choices=["greedy", "strict", "probabilistic"])
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--stop-id", action="append", type=int, default=[], help="extra stop token id (repeatable)")
+    from dflash.options import GENERATION_OPTIONS
+
+    for o in GENERATION_OPTIONS:  # every generation option, with its default and meaning (dflash.options)
+        kw = {"help": f"{o.doc} ({o.bounds})"}
+        if o.types == (bool,):
+            kw.update(action=argparse.BooleanOptionalAction, default=o.default)
+        elif o.types[0] is list:
+            kw.update(action="append", default=[], type=int if o.name == "stop_ids" else str, dest=o.name)
+            kw["help"] += "; repeatable"
+        else:
+            kw.update(type={int: int, float: float, str: str}[float if float in o.types else o.types[0]],
+                      default=o.default, dest=o.name)
+            if o.name == "verify":
+                kw["choices"] = ["greedy", "strict", "probabilistic"]
+        p.add_argument(o.flag, **kw)
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and statistics")
 
 
 def request_from_args(args):
     from dflash.engine.engine import GenerationRequest
 
-    return GenerationRequest(
-        prompt=args.prompt,
-        input_ids=args.input_ids,
-        chat=args.chat,
-        max_new_tokens=args.max_new_tokens,
-        block_size=args.block_size,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        verify=args.verify,
-        stop=args.stop,
-        stop_ids=args.stop_id,
-    )
+    from dflash.options import GENERATION_OPTIONS
+
+    return GenerationRequest(prompt=args.prompt, input_ids=args.input_ids,
+                             **{o.name: getattr(args, o.name) for o in GENERATION_OPTIONS})
 
 
 def load_engine(args):
@@ -132,8 +125,10 @@ def cmd_bench(args) -> int:
     peer = peer_for(args.target, args.drafter, methods, engine.block_size)
     assistant = assistant_dir(args.assistant, engine.target.model, args.target is None) if (
         "assisted-ar" in methods) else None
-    report = run_bench(engine, args.suites.split(","), methods, args.limit, args.max_new_tokens,
-                       str(assistant) if assistant else None, Path(args.out) / "samples.jsonl", args.resume, peer)
+    suites = [s for s in args.suites.split(",") if s and s != "none"]
+    report = run_bench(engine, suites, methods, args.limit, args.max_new_tokens,
+                       str(assistant) if assistant else None, Path(args.out) / "samples.jsonl", args.resume, peer,
+                       prompt_files=args.prompts)
     report["command"] = "dflash " + " ".join(sys.argv[1:])
     write_report(report, Path(args.out))
     print(markdown(report))
@@ -170,6 +165,7 @@ def cmd_serve(args) -> int:
         allow_gids=args.allow_gid,
         drafter_dir=drafter_dir,
         drafter_roots=args.drafter_root,
+        step_tokens=args.step_tokens,
     )
     learner = None
     if args.learn:  # off by default: a drafter trained on a workload memorises some of it
@@ -184,7 +180,7 @@ def cmd_serve(args) -> int:
     if args.database:
         from dflash.serve.queue import QueueConsumer
 
-        consumer = QueueConsumer(worker, args.database, poll_s=args.poll_s)
+        consumer = QueueConsumer(worker, args.database, poll_s=args.poll_s, batch=args.queue_batch or args.max_active)
         consumer.start()
     if learner is not None:
         learner.start()
@@ -268,8 +264,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="every method on the same prompts: speed, tau, greedy agreement")
     add_model_args(p)
-    p.add_argument("--suites", default="code,chat,agent")
-    p.add_argument("--methods", default="ar-hf,ar,dflash-4,dflash-8,dflash-16,dflash-auto,prompt-lookup,assisted-ar")
+    p.add_argument("--suites", default="code,chat,agent",
+                   help="built-in suites (code, chat, agent, repetitive), comma-separated; none: only --prompts")
+    p.add_argument("--prompts", action="append", default=[], metavar="FILE.jsonl",
+                   help='one more suite, named after the file: {"prompt": ...} per line, run whole, in file order, '
+                        "as one workload (repeatable; --limit does not apply)")
+    p.add_argument("--methods", default="ar-hf,ar,dflash-4,dflash-8,dflash-16,dflash-auto,suffix,prompt-lookup,"
+                   "assisted-ar",
+                   help="ar, dflash-N, dflash-auto (every proposer), suffix (the suffix proposer alone), ar-hf, "
+                        "prompt-lookup, assisted-ar, llamacpp-*")
     p.add_argument("--assistant", help="AR draft model for assisted-ar: a transformers folder or a stored "
                    "assistant (default: the shipped one, for the default target)")
     p.add_argument("--limit", type=int, help="prompts per suite (default: all)")
@@ -279,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse the generations journaled in OUT/samples.jsonl by an interrupted run with the same settings")
     p.set_defaults(func=cmd_bench)
 
+    from dflash.engine.config import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
     from dflash.serve.protocol import DEFAULT_MAX_FRAME, DEFAULT_SOCKET
 
     p = sub.add_parser("serve", help="run the worker: load the models once, serve requests on a Unix socket")
@@ -287,8 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embedder", help="sentence-embedding model folder (default: all-MiniLM-L6-v2 from PyPI)")
     p.add_argument("--no-embedder", action="store_true", help="serve without an embedding model")
     p.add_argument("--max-queue", type=int, default=64, help="queued requests before answering 'busy'")
-    p.add_argument("--max-active", type=int, default=4,
-                   help="generations decoded at once, taking turns step by step (one long one never blocks others)")
+    p.add_argument("--max-active", type=int, default=DEFAULT_MAX_BATCH,
+                   help=f"generations served by each engine step, in one batched forward (default {DEFAULT_MAX_BATCH})")
+    p.add_argument("--step-tokens", type=int, default=DEFAULT_STEP_TOKENS,
+                   help="tokens one step may take while others decode: prompts are prefilled in chunks of what is "
+                        f"left, so a long prompt delays the others by one chunk (default {DEFAULT_STEP_TOKENS})")
+    p.add_argument("--queue-batch", type=int, default=None,
+                   help="queued rows (generate on insert) claimed and generated together (default: --max-active)")
     p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, help="largest accepted request, bytes")
     p.add_argument("--socket-group", help="group (name or gid) owning the socket (mode 0660)")
     p.add_argument("--allow-uid", type=int, action="append", help="only these peer uids (SO_PEERCRED; repeatable)")

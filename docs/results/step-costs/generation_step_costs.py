@@ -1,6 +1,6 @@
 """Step cost per fixed block length, averaged over whole generations, as multiples of the
-same engine's plain (L = 1) step: the before/after measurement of the README's step-cost
-table. It uses only what both the engine before the step API (commit 026bb26) and after
+same engine's plain (L = 1) step: the before/after measurement of the step-cost table in
+docs/benchmarks.md. It uses only what both the engine before the step API (commit 026bb26) and after
 it offer (`Engine.load`, `generate` with a fixed block size, the statistics' draft /
 verify / decode timers), so the same script times both:
 

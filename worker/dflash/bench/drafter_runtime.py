@@ -72,12 +72,12 @@ def replay(drafters: dict, cfg, prompt_rows: int, steps: int, block: int, seed: 
 def engine_replay(drafters: dict, prompts: int, max_new: int, block: int) -> dict:
     """The same drafters inside the engine (default target, dflash-`block`, greedy), prompt
     by prompt in turn: whole-generation tokens/s and drafting time per step."""
-    from dflash.bench.run import load_suite
+    from dflash.suites import load_suite
     from dflash.engine.engine import Engine, GenerationRequest
-    from dflash.engine.target import TargetModel
+    from dflash.engine.target.hf import HFTarget
     from dflash.models import ensure_default_target
 
-    target = TargetModel.from_pretrained(ensure_default_target(quiet=True))
+    target = HFTarget.from_pretrained(ensure_default_target(quiet=True))
     engines = {name: Engine(target, d.drafter if isinstance(d, InDtype) else d, name,
                             draft_dtype=d.dtype if isinstance(d, InDtype) else None)
                for name, d in drafters.items()}

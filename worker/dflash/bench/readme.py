@@ -1,23 +1,29 @@
-"""Put a benchmark run's table into README.md, so the README's numbers come from a run.
+"""Put a benchmark run's table into README.md or a page of docs/, so the numbers there come from a run.
 
-    python -m dflash.bench.readme bench-out/results.json [--readme README.md] [--command "dflash bench ..."]
+    python -m dflash.bench.readme bench-out/results.json [--readme FILE] [--command "dflash bench ..."]
                                   [--section bench-results]
 
 Replaces what lies between the `<!-- SECTION:start -->` and `<!-- SECTION:end -->` markers
 (default section `bench-results`) with the run's Markdown table, its machine line and the
 command that produced it (recorded in results.json by `dflash bench`; `--command` for
-older files).
+older files). Without `--readme` the file is whichever of README.md and docs/*.md holds
+the section's markers: `current-results` is in README.md, `bench-results` (the full run)
+in docs/benchmarks.md. The other generators (`dflash.bench.peers --readme`,
+`dflash.bench.learning --readme`) write through `replace_section` too, so a `--readme
+README.md` whose section has moved to docs/ still finds it there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from dflash.bench.run import markdown
 
 SECTION = "bench-results"
+DOCS = "docs"
 
 
 def markers(name: str = SECTION) -> tuple[str, str]:
@@ -33,33 +39,65 @@ def section(report: dict, command: str, name: str = SECTION) -> str:
             f"{markdown(report)}{end}")
 
 
-def update(readme: Path, report: dict, command: str, name: str = SECTION) -> None:
-    replace_section(readme, *markers(name), section(report, command, name))
+def update(readme: Path | None, report: dict, command: str, name: str = SECTION) -> Path:
+    """Write the run's section; `readme` None: the file under the current folder that holds it."""
+    start, end = markers(name)
+    return replace_section(readme if readme is not None else find_document(start, end), start, end,
+                           section(report, command, name))
 
 
-def replace_section(readme: Path, start: str, end: str, body: str) -> None:
-    """Replace the README's text from marker `start` through marker `end` with `body`
-    (which carries the markers again)."""
+def _has(path: Path, start: str, end: str) -> bool:
+    if not path.is_file():
+        return False
+    text = path.read_text()
+    return start in text and end in text
+
+
+def find_document(start: str, end: str, root: Path = Path(".")) -> Path:
+    """README.md or the docs/*.md page under `root` that holds both markers."""
+    candidates = [root / "README.md", *sorted((root / DOCS).glob("*.md"))]
+    found = [p for p in candidates if _has(p, start, end)]
+    if not found:
+        raise SystemExit(f"neither {root / 'README.md'} nor {root / DOCS}/*.md has {start} ... {end} markers")
+    if len(found) > 1:
+        raise SystemExit(f"{start} ... {end} markers are in several files: {', '.join(map(str, found))}")
+    return found[0]
+
+
+def replace_section(readme: Path, start: str, end: str, body: str) -> Path:
+    """Replace the text from marker `start` through marker `end` with `body` (which carries
+    the markers again) and return the file written. A file without the markers hands over
+    to the page of the docs/ folder beside it that has them (sections moved out of the
+    README keep their generators' `--readme README.md` working)."""
+    readme = Path(readme)
+    if not _has(readme, start, end):
+        moved = [p for p in sorted((readme.parent / DOCS).glob("*.md")) if _has(p, start, end)]
+        if len(moved) != 1:
+            raise SystemExit(f"{readme} has no {start} ... {end} markers")
+        print(f"{readme} has no {start} markers; writing them in {moved[0]}", file=sys.stderr)
+        readme = moved[0]
     text = readme.read_text()
-    if start not in text or end not in text:
-        raise SystemExit(f"{readme} has no {start} ... {end} markers")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     readme.write_text(head + body + tail)
+    return readme
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", help="results.json of a dflash bench run")
-    p.add_argument("--readme", default="README.md")
+    p.add_argument("--readme", type=Path,
+                   help="the file to write (default: README.md or the docs/*.md page holding the section's markers)")
     p.add_argument("--command", help="the command of the run (default: as recorded in results.json)")
-    p.add_argument("--section", default=SECTION, help="the README markers' name")
+    p.add_argument("--section", default=SECTION, help="the markers' name (current-results: README; "
+                                                      "bench-results: docs/benchmarks.md)")
     args = p.parse_args(argv)
     report = json.loads(Path(args.results).read_text())
     command = args.command or report.get("command")
     if not command:
         raise SystemExit("results.json records no command: pass --command")
-    update(Path(args.readme), report, command, args.section)
+    written = update(args.readme, report, command, args.section)
+    print(f"section {args.section} written in {written}", file=sys.stderr)
     return 0
 
 

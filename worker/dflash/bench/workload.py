@@ -2,7 +2,7 @@
 
 Agent-style requests (tool calls as JSON, SQL over small schemas, field extraction) built
 from a few templates with varied fillers, like the agent suite's prompts
-(`bench/prompts/agent.txt`) and the requests an application sends all day. `prompts(n,
+(`suites/agent.txt`) and the requests an application sends all day. `prompts(n,
 seed)` gives n distinct prompts, shuffled by the seed; `rounds(k, n, seed)` cuts k rounds of
 n new prompts each, no prompt in two rounds, so every round's prompts are held out from
 whatever was trained on the rounds before it.

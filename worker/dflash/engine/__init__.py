@@ -1,1 +1,2 @@
-"""The DFlash engine: drafter, target adapter, verify rules and the speculative loop."""
+"""The DFlash engine: the scheduler, the batched step, its policy and costs, proposers
+(`proposers/`) and target backends (`target/`) behind their protocols, verify rules."""

@@ -16,6 +16,11 @@ from dflash.errors import DFlashError
 
 VERIFY_MODES = ("greedy", "strict", "probabilistic")
 
+# The scheduler's defaults (dflash.engine.scheduler): requests served by one engine step,
+# and the tokens one step may take while others decode (a prefill chunk gets what is left).
+DEFAULT_MAX_BATCH = 16
+DEFAULT_STEP_TOKENS = 128
+
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The reference fallback when `dflash_config.target_layer_ids` is absent.
@@ -168,6 +173,9 @@ class SamplingParams:
     temperature 0 means greedy decoding; then the verify mode is always
     `greedy` (the three rules coincide). With temperature > 0 the default rule
     is `probabilistic` (drafts sampled from the drafter, p/q acceptance).
+    Every finite temperature >= 0 and every top_p in (0, 1] is valid, down to the
+    limits (1e-300, subnormals, 1e300): `sampling.warp` takes them to a proper
+    distribution.
     """
 
     temperature: float = 0.0
@@ -178,12 +186,12 @@ class SamplingParams:
 
     def __post_init__(self):
         t = self.temperature
-        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
+        if not isinstance(t, (int, float)) or not self._finite(t) or t < 0:
             raise DFlashError("bad_temperature", f"temperature must be a finite number >= 0, got {t}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise DFlashError("bad_top_k", f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
         p = self.top_p
-        if not isinstance(p, (int, float)) or math.isnan(p) or not (0 < p <= 1):
+        if not isinstance(p, (int, float)) or not self._finite(p) or not (0 < p <= 1):
             raise DFlashError("bad_top_p", f"top_p must be in (0, 1], got {p}")
         if self.verify is not None and self.verify not in VERIFY_MODES:
             raise DFlashError("bad_verify", f"verify must be one of {', '.join(VERIFY_MODES)}, got '{self.verify}'")
@@ -191,6 +199,15 @@ class SamplingParams:
             raise DFlashError("bad_verify", "verify 'greedy' needs temperature 0; use 'strict' or 'probabilistic'")
         if self.seed is not None and (not isinstance(self.seed, int) or not (0 <= self.seed < 2**63)):
             raise DFlashError("bad_seed", f"seed must be an integer in [0, 2^63), got {self.seed}")
+
+    @staticmethod
+    def _finite(x: int | float) -> bool:
+        """A finite float, or an int that converts to one (math.isfinite raises
+        OverflowError for an int past float range, such as a 400-digit JSON number)."""
+        try:
+            return math.isfinite(x)
+        except OverflowError:
+            return False
 
     @property
     def greedy(self) -> bool:

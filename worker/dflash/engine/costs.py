@@ -1,12 +1,19 @@
-"""The device cost curve: what a step of each length costs on the hardware at hand.
+"""The device cost curve: what a step costs on the hardware at hand, by batch.
 
 A speculative step has two parts whose price depends on the device, dtype and thread
 count: the drafter over a block of D positions (its layers plus the LM head over D - 1
 rows) and the target verifying L tokens. On a GPU verifying 16 tokens costs about what 1
-does; on a small CPU it does not. The block-length policy needs these prices, so the
-engine measures them once per (models, device, dtype, threads, torch) and keeps them on
-disk, checks a cached curve against a few fresh timings before trusting it, and `status`
+does; on a small CPU it does not. And a step serves a batch: B requests in one forward
+cost far less than B forwards (every weight is read once), so the price of one request's
+extra verify rows depends on what else is in the step. The engine measures both, once per
+(models, device, dtype, threads, torch): the single-request curve at every length it may
+use, and the forward of B requests with L tokens each on a grid of B, keeps them on disk,
+checks a cached curve against a few fresh timings before trusting it, and `status`
 reports them.
+
+`Prices` is what the block-length policy sees of one request in one step: its share of
+the step's forward and the extra time each length it may choose adds, and the rate the
+step decodes at plainly (the policy's exchange rate of time into tokens).
 """
 
 from __future__ import annotations
@@ -24,21 +31,60 @@ from dflash.engine.sampling import verify_greedy
 
 CONTEXT_TOKENS = 64  # a short prompt: the price of a step at small context
 REPEATS = 5
+BATCH_REPEATS = 3
 # The lengths timed (the drafter's block size too); prices in between are interpolated: a
 # step's cost grows smoothly with its length, and the worker measures before it serves.
 MEASURED = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+# Batches timed (up to the scheduler's largest), and their per-request lengths.
+BATCHES = (2, 4, 8, 16, 32, 64)
+BATCH_LENGTHS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class Prices:
+    """One request's prices in one step (seconds): `verify_s[L-1]` its share of the target
+    forward when it verifies L tokens, `draft_s[D-1]` its share of a drafter pass over D
+    positions, and `plain_rate`, the tokens per second the step's batch decodes plainly."""
+
+    verify_s: tuple[float, ...]
+    draft_s: tuple[float, ...]
+    plain_rate: float
+
+    def step_s(self, draft_len: int, verify_len: int) -> float:
+        return self.draft_s[draft_len - 1] + self.verify_s[verify_len - 1]
+
+
+def _along(values: list[float], x: float) -> float:
+    """values[i] is the price at i + 1; linear in between, and on past the end along the
+    last segment (a prefill chunk is longer than any verify)."""
+    n = len(values)
+    if n == 1 or x <= 1:
+        return values[0]
+    if x >= n:
+        return values[-1] + (x - n) * max(values[-1] - values[-2], 0.0)
+    lo = int(x)
+    return values[lo - 1] + (values[lo] - values[lo - 1]) * (x - lo)
 
 
 @dataclass
 class CostCurve:
     """Seconds: `verify_s[L-1]` for a target forward over L tokens with its features and the
     verify rule and cache crop; `draft_s[D-1]` for a drafter forward over a block of D with
-    the LM head over D - 1 rows (`draft_s[0]` = 0: no drafting)."""
+    the LM head over D - 1 rows (`draft_s[0]` = 0: no drafting). `batch_verify_s[B][L-1]`:
+    one forward of B requests verifying L tokens each; `batch_draft_s[B][D-1]`: one drafter
+    pass drafting D positions for each of B requests (keys are batch sizes as strings, as
+    JSON keeps them). A curve without batch prices (a synthetic one) prices B requests as
+    one request with all their tokens."""
 
     verify_s: list[float]
     draft_s: list[float]
     key: dict = field(default_factory=dict)
     measured_at: str = ""
+    batch_verify_s: dict[str, list[float]] = field(default_factory=dict)
+    batch_draft_s: dict[str, list[float]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self._prices: dict[tuple, Prices] = {}
 
     @property
     def max_block(self) -> int:
@@ -47,21 +93,81 @@ class CostCurve:
     def step_s(self, draft_len: int, verify_len: int) -> float:
         return self.draft_s[draft_len - 1] + self.verify_s[verify_len - 1]
 
+    # --- prices in a batch ----------------------------------------------------------------
+
+    def _grid(self, table: dict[str, list[float]], solo: list[float]) -> list[tuple[int, list[float]]]:
+        return [(1, solo)] + sorted((int(b), v) for b, v in table.items())
+
+    def forward_s(self, seqs: int, tokens: float) -> float:
+        """One target forward over `tokens` rows of `seqs` requests."""
+        if seqs <= 1 or not self.batch_verify_s:
+            return _along(self.verify_s, tokens)
+        return _across(self._grid(self.batch_verify_s, self.verify_s), seqs, tokens / seqs)
+
+    def draft_batch_s(self, seqs: int, draft_len: int) -> float:
+        """One drafter pass drafting `draft_len` positions for each of `seqs` requests."""
+        if draft_len <= 1:
+            return 0.0
+        if seqs <= 1:
+            return self.draft_s[draft_len - 1]
+        if not self.batch_draft_s:
+            return seqs * self.draft_s[draft_len - 1]
+        return _across(self._grid(self.batch_draft_s, self.draft_s), seqs, draft_len)
+
+    def solo(self) -> Prices:
+        """Prices of a request stepped alone."""
+        return self.prices(1)
+
+    def prices(self, decoding: int, prefill_seqs: int = 0, prefill_tokens: int = 0, drafting: int = 1) -> Prices:
+        """A request's prices in a step with `decoding` requests (itself included) verifying
+        one token each, plus prefill chunks of `prefill_tokens` rows from `prefill_seqs`
+        requests, and `drafting` requests expected to draft. Its verify price for L is its
+        share of that base forward plus everything its L - 1 extra rows add; its draft price
+        is its share of a pass that drafts for `drafting` requests."""
+        key = (decoding, prefill_seqs, prefill_tokens, drafting)
+        got = self._prices.get(key)
+        if got is not None:
+            return got
+        if decoding <= 1 and prefill_seqs == 0:
+            verify = tuple(self.verify_s)
+        else:
+            seqs, base_tokens = decoding + prefill_seqs, decoding + prefill_tokens
+            base = self.forward_s(seqs, base_tokens)
+            verify = tuple(base / decoding + self.forward_s(seqs, base_tokens + L - 1) - base
+                           for L in range(1, self.max_block + 1))
+        n = max(drafting, 1)
+        draft = (0.0,) + tuple(self.draft_batch_s(n, D) / n for D in range(2, self.max_block + 1))
+        plain = 1.0 / verify[0]  # each of `decoding` requests gets one token for its share
+        if len(self._prices) > 4096:
+            self._prices.clear()
+        got = self._prices[key] = Prices(verify, draft, plain)
+        return got
+
+    # --- reporting -------------------------------------------------------------------------
+
     def relative(self) -> dict:
         """Every price as a multiple of one plain step (L = 1, no drafting)."""
         ar = self.verify_s[0]
-        return {
+        out = {
             "verify": [round(v / ar, 3) for v in self.verify_s],
             "draft": [round(d / ar, 3) for d in self.draft_s],
             "step": [round(self.step_s(n, n) / ar, 3) for n in range(1, self.max_block + 1)],
         }
+        if self.batch_verify_s:
+            # Per batch: the forward of B requests verifying L each, in plain steps of one request.
+            out["batch_verify"] = {b: [round(v / ar, 3) for v in vs] for b, vs in self.batch_verify_s.items()}
+            out["batch_draft"] = {b: [round(v / ar, 3) for v in vs] for b, vs in self.batch_draft_s.items()}
+        return out
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "plain_step_s": self.verify_s[0], "relative_to_plain_step": self.relative()}
+        d = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        return {**d, "plain_step_s": self.verify_s[0], "relative_to_plain_step": self.relative()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostCurve":
-        return cls(list(d["verify_s"]), list(d["draft_s"]), dict(d.get("key") or {}), d.get("measured_at", ""))
+        return cls(list(d["verify_s"]), list(d["draft_s"]), dict(d.get("key") or {}), d.get("measured_at", ""),
+                   {str(b): list(v) for b, v in (d.get("batch_verify_s") or {}).items()},
+                   {str(b): list(v) for b, v in (d.get("batch_draft_s") or {}).items()})
 
     @classmethod
     def flat(cls, max_block: int, plain_s: float = 1.0) -> "CostCurve":
@@ -69,7 +175,22 @@ class CostCurve:
         return cls([plain_s] * max_block, [0.0] * max_block, {"synthetic": "flat"})
 
 
-def curve_key(engine) -> dict:
+def _across(grid: list[tuple[int, list[float]]], seqs: float, per_seq: float) -> float:
+    """Interpolate a price grid (batch size -> price by per-request length) at `seqs`
+    requests of `per_seq` tokens each: linear in both, on past the largest batch measured."""
+    sizes = [b for b, _ in grid]
+    if seqs >= sizes[-1] and len(grid) > 1:
+        (b0, v0), (b1, v1) = grid[-2], grid[-1]
+    else:
+        i = next(i for i, b in enumerate(sizes) if b >= seqs)
+        (b0, v0), (b1, v1) = grid[max(i - 1, 0)], grid[i]
+    p0, p1 = _along(v0, per_seq), _along(v1, per_seq)
+    if b1 == b0:
+        return p1
+    return p0 + (p1 - p0) * (seqs - b0) / (b1 - b0)
+
+
+def curve_key(engine, max_batch: int = 1) -> dict:
     from dflash import __version__
 
     target = engine.target
@@ -84,6 +205,8 @@ def curve_key(engine) -> dict:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "dflash": __version__,
+        "backend": getattr(target, "backend", "hf"),
+        "max_batch": max_batch,
     }
 
 
@@ -102,10 +225,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_s(fn, device) -> float:
+def _best_s(fn, device, repeats: int = REPEATS) -> float:
     """The fastest of a few runs: interference from other work only ever adds time."""
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         _sync(device)
         t = time.perf_counter()
         fn()
@@ -124,59 +247,88 @@ def _non_decreasing(xs: list[float]) -> list[float]:
 
 
 class _StepBench:
-    """A target and drafter cache holding a short prompt, and the two timed parts of a step."""
+    """`seqs` requests whose target and drafter caches hold a short prompt, and the two timed
+    parts of a step for all of them at once."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, seqs: int = 1):
+        from dflash.engine.target import TargetRow
+
         target = engine.target
         self.device, self.block_size = target.device, engine.block_size
         self.target, self.layer_ids = target, engine.layer_ids
-        self.prompt = torch.arange(100, 100 + CONTEXT_TOKENS, device=self.device) % target.vocab_size
-        self.cache = target.new_cache()
-        _, self.feats = target.forward(self.prompt, self.cache, self.layer_ids)
-        self.drafting = engine.in_use()
-        self.draft_cache = engine.drafter.new_cache()
-        self.anchor = target.embed(self.prompt[-1:])
-        self.drafting.logits(self.feats[:-1], self.anchor, 1, torch.arange(0, CONTEXT_TOKENS, device=self.device),
-                             self.draft_cache)
+        self.prompt = (torch.arange(100, 100 + CONTEXT_TOKENS) % target.vocab_size).tolist()
+        self.seqs = [target.new_sequence() for _ in range(seqs)]
+        out = target.forward_batch([TargetRow(q, self.prompt, 1) for q in self.seqs], self.layer_ids)
+        self.feats = out.features[0]
+        self.proposer = engine.dflash
+        self.states = [self.proposer.start(None) for _ in range(seqs)]
+        # The drafter's cache holds the context (all rows but the anchor's).
+        self.proposer.draft_logits([(ps, self.feats[:-2], self.prompt[-2], CONTEXT_TOKENS - 2, 1)
+                                    for ps in self.states])
+        self.row = TargetRow
 
     def verify(self, L: int) -> None:
         ids = self.prompt[:L]
-        logits, _ = self.target.forward(ids, self.cache, self.layer_ids)
-        verify_greedy(ids[1:], logits)
-        self.target.crop(self.cache, CONTEXT_TOKENS)
+        out = self.target.forward_batch([self.row(q, ids, L) for q in self.seqs], self.layer_ids)
+        for q, logits in zip(self.seqs, out.logits):
+            verify_greedy(torch.tensor(ids[1:], device=self.device), logits)
+            self.target.rollback(q, CONTEXT_TOKENS)
 
     def draft(self, D: int) -> None:
-        committed = self.draft_cache.length
-        positions = torch.arange(committed, committed + 1 + D, device=self.device)
-        logits = self.drafting.logits(self.feats[-1:], self.anchor, D, positions, self.draft_cache)
-        logits.softmax(-1).max(-1)
-        self.draft_cache.length = committed  # the context row is written again next time
+        committed = [ps.cache.length for ps in self.states]
+        jobs = [(ps, self.feats[-2:-1], self.prompt[-1], CONTEXT_TOKENS - 1, D) for ps in self.states]
+        for logits in self.proposer.draft_logits(jobs):
+            logits.softmax(-1).max(-1)
+        for ps, n in zip(self.states, committed):
+            ps.cache.length = n  # the context row is written again next time
 
     def warm_up(self) -> None:
         self.verify(self.block_size), self.draft(self.block_size)  # the largest shapes first
 
-    def verify_s(self, L: int) -> float:
-        return _best_s(lambda: self.verify(L), self.device)
+    def verify_s(self, L: int, repeats: int = REPEATS) -> float:
+        return _best_s(lambda: self.verify(L), self.device, repeats)
 
-    def draft_s(self, D: int) -> float:
-        return _best_s(lambda: self.draft(D), self.device)
+    def draft_s(self, D: int, repeats: int = REPEATS) -> float:
+        return _best_s(lambda: self.draft(D), self.device, repeats)
+
+    def close(self) -> None:
+        for q in self.seqs:
+            self.target.free(q)
+
+
+def _curve(bench: _StepBench, lengths, repeats: int) -> tuple[list[float], list[float]]:
+    """Verify and draft prices at every length 1..B from timings at `lengths`."""
+    B = bench.block_size
+    lengths = [n for n in lengths if n < B] + [B]
+    verify_at, draft_at = {}, {1: 0.0}
+    for L in lengths:  # interleaved, so a slow moment of the machine spreads out
+        verify_at[L] = bench.verify_s(L, repeats)
+        if L > 1:
+            draft_at[L] = bench.draft_s(L, repeats)
+    return _non_decreasing(_interpolate(verify_at, B)), [0.0] + _non_decreasing(_interpolate(draft_at, B)[1:])
 
 
 @torch.inference_mode()
-def measure(engine) -> CostCurve:
-    """Time each verify length and each draft length once the caches hold a short prompt."""
+def measure(engine, max_batch: int = 1) -> CostCurve:
+    """Time each verify length and each draft length once the caches hold a short prompt,
+    for one request and for batches of up to `max_batch`."""
     bench = _StepBench(engine)
-    B = bench.block_size
     bench.warm_up()
-    lengths = [n for n in MEASURED if n < B] + [B]
-    verify_at, draft_at = {}, {1: 0.0}
-    for L in lengths:  # interleaved, so a slow moment of the machine spreads out
-        verify_at[L] = bench.verify_s(L)
-        if L > 1:
-            draft_at[L] = bench.draft_s(L)
-    verify_s = _non_decreasing(_interpolate(verify_at, B))
-    draft_s = [0.0] + _non_decreasing(_interpolate(draft_at, B)[1:])
-    return CostCurve(verify_s, draft_s, curve_key(engine), time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    verify_s, draft_s = _curve(bench, MEASURED, REPEATS)
+    bench.close()
+    batch_verify, batch_draft = {}, {}
+    for seqs in [b for b in BATCHES if b < max_batch] + ([max_batch] if max_batch > 1 else []):
+        bench = _StepBench(engine, seqs)
+        bench.warm_up()
+        v, d = _curve(bench, BATCH_LENGTHS, BATCH_REPEATS)
+        bench.close()
+        # A bigger batch never costs less than a smaller one at the same lengths.
+        below = batch_verify.get(str(max((int(b) for b in batch_verify), default=0)), verify_s)
+        batch_verify[str(seqs)] = [max(a, b) for a, b in zip(v, below)]
+        below = batch_draft.get(str(max((int(b) for b in batch_draft), default=0)), draft_s)
+        batch_draft[str(seqs)] = [max(a, b) for a, b in zip(d, below)]
+    return CostCurve(verify_s, draft_s, curve_key(engine, max_batch), time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                     batch_verify, batch_draft)
 
 
 # A cached curve is checked against a few fresh timings before it is trusted: one measured
@@ -191,7 +343,8 @@ SPOT_TOLERANCE = 0.75  # re-measure when a spot price is under this fraction of 
 
 @torch.inference_mode()
 def spot_check(engine, curve: CostCurve) -> dict:
-    """Fresh prices for a plain step, a short verify and a full draft, beside the cached ones."""
+    """Fresh prices for a plain step, a short verify and a full draft, beside the cached
+    ones; and a plain step of the largest batch measured."""
     bench = _StepBench(engine)
     B = bench.block_size
     bench.warm_up()
@@ -200,6 +353,13 @@ def spot_check(engine, curve: CostCurve) -> dict:
         checks[f"verify_{L}"] = (bench.verify_s(L), curve.verify_s[L - 1])
     if B > 1:
         checks[f"draft_{B}"] = (bench.draft_s(B), curve.draft_s[B - 1])
+    bench.close()
+    if curve.batch_verify_s:
+        seqs = max(int(b) for b in curve.batch_verify_s)
+        bench = _StepBench(engine, seqs)
+        bench.verify(1)
+        checks[f"batch_{seqs}_verify_1"] = (bench.verify_s(1, BATCH_REPEATS), curve.batch_verify_s[str(seqs)][0])
+        bench.close()
     return checks
 
 
@@ -223,10 +383,10 @@ def cache_path(key: dict, directory: Path) -> Path:
     return Path(directory) / f"cost-curve-{digest}.json"
 
 
-def load_or_measure(engine, directory: Path | None) -> CostCurve:
+def load_or_measure(engine, directory: Path | None, max_batch: int = 1) -> CostCurve:
     """The cached curve for this engine's key if a spot check agrees with it, else a fresh
     measurement (then cached)."""
-    key = curve_key(engine)
+    key = curve_key(engine, max_batch)
     path = cache_path(key, directory) if directory is not None else None
     if path is not None and path.is_file():
         try:
@@ -235,7 +395,7 @@ def load_or_measure(engine, directory: Path | None) -> CostCurve:
                 return curve
         except (OSError, ValueError, KeyError):
             pass  # unreadable: measure again
-    curve = measure(engine)
+    curve = measure(engine, max_batch)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

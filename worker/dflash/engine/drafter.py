@@ -14,6 +14,7 @@ reference's "write everything, then crop to start" without the crop.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -116,16 +117,27 @@ class Attention(nn.Module):
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], n, self.head_dim).transpose(1, 2)
 
+    def project(self, x, kv_in, cos_q, sin_q, cos_k, sin_k):
+        """Queries of the block rows x, keys and values of kv_in (context then block rows),
+        normed and rotated."""
+        q = self.q_norm(self._heads(self.q_proj(x), self.n_heads))
+        k = self.k_norm(self._heads(self.k_proj(kv_in), self.n_kv))
+        v = self._heads(self.v_proj(kv_in), self.n_kv)
+        return q * cos_q + rotate_half(q) * sin_q, k * cos_k + rotate_half(k) * sin_k, v
+
+    def window_mask(self, positions: torch.Tensor, L: int, kv_len: int) -> torch.Tensor | None:
+        """Sliding layers are causal with an absolute-position window (later z-lab drafters)."""
+        if self.window is None:
+            return None
+        q_pos = positions[-L:][:, None]
+        k_pos = torch.arange(kv_len, device=positions.device)[None, :] + (positions[-1] + 1 - kv_len)
+        return (k_pos <= q_pos) & (q_pos - k_pos < self.window)
+
     def forward(self, x, ctx, cos, sin, cache: DraftCache | None, positions: torch.Tensor, attn_mask=None):
         """x: normed block [B, L, H]; ctx: projected new context [B, S, H];
         cos/sin: rows for the S + L positions; attn_mask (training only): [L, S + L] bool."""
         L, S = x.shape[1], ctx.shape[1]
-        q = self.q_norm(self._heads(self.q_proj(x), self.n_heads))
-        kv_in = torch.cat((ctx, x), dim=1)
-        k = self.k_norm(self._heads(self.k_proj(kv_in), self.n_kv))
-        v = self._heads(self.v_proj(kv_in), self.n_kv)
-        q = q * cos[S:] + rotate_half(q) * sin[S:]
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = self.project(x, torch.cat((ctx, x), dim=1), cos[S:], sin[S:], cos, sin)
         if cache is not None:
             # Context K/V are committed and kept; block K/V are scratch for this pass only.
             k, v = cache.write(self.layer, k, v)
@@ -133,10 +145,7 @@ class Attention(nn.Module):
         if self.window is not None:
             if attn_mask is not None:
                 raise DFlashError("bad_drafter", "training sliding-window drafters is not supported")
-            # Sliding layers are causal with an absolute-position window (later z-lab drafters).
-            q_pos = positions[-L:][:, None]
-            k_pos = torch.arange(k.shape[2], device=k.device)[None, :] + (positions[-1] + 1 - k.shape[2])
-            mask = (k_pos <= q_pos) & (q_pos - k_pos < self.window)
+            mask = self.window_mask(positions, L, k.shape[2])
         gqa = self.n_heads != self.n_kv
         if gqa and attn_mask is not None and q.is_cuda:
             # Training on a GPU: with a dense mask, only the memory-efficient kernel avoids
@@ -148,6 +157,19 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=False, scale=self.head_dim**-0.5, enable_gqa=gqa
         )
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], L, -1))
+
+    def forward_packed(self, x, kv_in, rope: "PackedRope", parts: list["DraftPart"]):
+        """x: normed block rows of every part [1, sum L, H]; kv_in: each part's context rows
+        then its block rows [1, sum (S + L), H]. Each part attends to its own cache."""
+        q, k, v = self.project(x, kv_in, *rope.q, *rope.k)
+        outs = []
+        for p in parts:
+            kk, vv = p.cache.write(self.layer, k[:, :, p.kv_at : p.kv_at + p.S + p.L], v[:, :, p.kv_at : p.kv_at + p.S + p.L])
+            mask = self.window_mask(p.positions, p.L, kk.shape[2])
+            outs.append(F.scaled_dot_product_attention(q[:, :, p.q_at : p.q_at + p.L], kk, vv, attn_mask=mask,
+                                                       scale=self.head_dim**-0.5, enable_gqa=self.n_heads != self.n_kv))
+        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        return self.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], -1))
 
 
 class MLP(nn.Module):
@@ -171,6 +193,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, ctx, cos, sin, cache, positions, attn_mask=None):
         h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, cache, positions, attn_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_packed(self, h, ctx, rope: "PackedRope", parts: list["DraftPart"], kv_order: torch.Tensor):
+        a = self.input_layernorm(h)
+        h = h + self.self_attn.forward_packed(a, torch.cat((ctx, a), dim=1)[:, kv_order], rope, parts)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -208,6 +235,59 @@ class DFlashDrafter(nn.Module):
         if cache is not None:
             cache.length += context_features.shape[1]
         return self.norm(h)
+
+    def forward_packed(self, parts: list["DraftPart"]) -> torch.Tensor:
+        """Several requests' drafts in one pass: every projection and MLP runs once over all
+        parts' rows, attention per part over its own cache. Each part brings its new context
+        features [S, n_feat*H], its block embeddings [L, H] and positions [S + L]; returns
+        the final-normed block states of all parts, laid end to end [sum L, H]."""
+        device = parts[0].block.device
+        ctx = self.hidden_norm(self.fc(torch.cat([p.context for p in parts])[None]))
+        h = torch.cat([p.block for p in parts])[None]
+        # kv rows in part order (context rows, then block rows), indexed into cat(ctx, block).
+        order, q_rows, at_ctx, at_q, at_kv = [], [], 0, 0, 0
+        n_ctx = ctx.shape[1]
+        for p in parts:
+            p.q_at, p.kv_at = at_q, at_kv
+            order += range(at_ctx, at_ctx + p.S)
+            order += range(n_ctx + at_q, n_ctx + at_q + p.L)
+            q_rows += range(at_kv + p.S, at_kv + p.S + p.L)
+            at_ctx, at_q, at_kv = at_ctx + p.S, at_q + p.L, at_kv + p.S + p.L
+        cos, sin = self.rotary(torch.cat([p.positions for p in parts]), h.dtype)
+        q_idx = torch.tensor(q_rows, device=device)
+        rope = PackedRope((cos[q_idx], sin[q_idx]), (cos, sin))
+        kv_order = torch.tensor(order, device=device)
+        for layer in self.layers:
+            h = layer.forward_packed(h, ctx, rope, parts, kv_order)
+        for p in parts:
+            p.cache.length += p.S
+        return self.norm(h)[0]
+
+
+@dataclass
+class DraftPart:
+    """One request's share of a packed drafter pass (see DFlashDrafter.forward_packed)."""
+
+    context: torch.Tensor  # [S, n_feat * H] new context features
+    block: torch.Tensor  # [L, H] embeddings of anchor + masks
+    positions: torch.Tensor  # [S + L]
+    cache: DraftCache
+    q_at: int = 0  # where its rows start among the packed block rows / kv rows
+    kv_at: int = 0
+
+    @property
+    def S(self) -> int:
+        return self.context.shape[0]
+
+    @property
+    def L(self) -> int:
+        return self.block.shape[0]
+
+
+@dataclass
+class PackedRope:
+    q: tuple[torch.Tensor, torch.Tensor]  # cos, sin of the block rows
+    k: tuple[torch.Tensor, torch.Tensor]  # cos, sin of all kv rows
 
 
 # --- checkpoint I/O in the published layout ----------------------------------------

@@ -1,9 +1,12 @@
-"""The engine: a target and a drafter loaded once, serving validated generation requests.
+"""The engine: a target and its proposers loaded once, serving validated generation requests.
 
-This is the one entry point the CLI, the worker and the benchmarks share. `start(request)`
-validates it, tokenises it and prefills a new DecodeState; `step(state)` runs one draft /
-verify / commit; `finish(state)` turns the state into ids, text and statistics; and
-`generate()` is start, steps, finish. The worker interleaves the steps of several states.
+This is the one entry point the CLI, the worker's scheduler and the benchmarks share.
+`admit(request)` validates and tokenises a request into a new DecodeState (nothing cached
+yet); `step(states)` runs one batched step for any set of states (prefill chunks and
+draft / verify / commit, one target forward; see step.py); `finish(state)` turns a state
+into ids, text and statistics and frees its memory. `start(request)` is admit plus the
+whole prefill, `generate()` is start, steps, finish, and `generate_many()` runs several
+requests as one batch.
 """
 
 from __future__ import annotations
@@ -15,36 +18,56 @@ from pathlib import Path
 
 import torch
 
-from dflash.engine import loop
+from dflash.engine import step as step_mod
 from dflash.engine.config import DrafterConfig, PolicyConfig, SamplingParams
-from dflash.engine.costs import CostCurve, load_or_measure
+from dflash.engine.costs import CostCurve, Prices, load_or_measure
 from dflash.engine.drafter import DFlashDrafter
 from dflash.engine.policy import BlockPolicy, Prior, explain
-from dflash.engine.state import DecodeState, DrafterInUse, StepResult
+from dflash.engine.proposers.dflash import NAME as DFLASH
+from dflash.engine.proposers.dflash import DFlashProposer, DrafterInUse
+from dflash.engine.proposers.suffix import NAME as SUFFIX
+from dflash.engine.proposers.suffix import SuffixProposer
+from dflash.engine.state import DecodeState, StepResult
 from dflash.engine.stats import GenerationStats
 from dflash.engine.stops import StopStrings
-from dflash.engine.target import TargetModel
-from dflash.engine.versions import label as version_label
-from dflash.engine.versions import load_versioned, model_digest
+from dflash.engine.target import Target
+from dflash.engine.target.hf import HFTarget
+from dflash.engine.versions import load_versioned
+from dflash.engine.workloads import WorkloadMemory
 from dflash.errors import DFlashError
+from dflash.options import defaults
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+_D = defaults()
+
+
 @dataclass
 class GenerationRequest:
+    """A prompt (text or ids) and the generation options (dflash.options: their defaults,
+    bounds and meaning live there)."""
+
     prompt: str | None = None
     input_ids: list[int] | None = None
-    chat: bool = False
-    max_new_tokens: int = 128
-    block_size: int | None = None  # None: `auto`, chosen per step; 1..B: that length every step
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    verify: str | None = None
+    chat: bool = _D["chat"]
+    max_new_tokens: int = _D["max_new_tokens"]
+    block_size: int | None = _D["block_size"]  # None: `auto`, chosen per step; 1..B: that length every step
+    temperature: float = _D["temperature"]
+    top_k: int = _D["top_k"]
+    top_p: float = _D["top_p"]
+    seed: int | None = _D["seed"]
+    verify: str | None = _D["verify"]
+    proposals: bool = _D["proposals"]
     stop: list[str] = field(default_factory=list)
     stop_ids: list[int] = field(default_factory=list)
+    # The workload whose memory the suffix proposer reads and the output joins (a key the
+    # caller's side makes: one role's calls, or one role's rows of one table), and that
+    # workload's past outputs (newest first) for when this engine has no memory of it yet.
+    workload: str | None = None
+    history: list[list[int]] | None = None
+    # Which proposers may draft (None: all there are); the bench's `suffix` method says ("suffix",).
+    proposers: tuple[str, ...] | None = None
     # Pooled per-position counts of earlier generations of the same workload (auto only):
     # {"accepted": [...], "judged": [...]}, as GenerationStats counts them.
     prior: dict | None = None
@@ -72,7 +95,7 @@ class GenerationResult:
         }
 
 
-def check_compatible(target: TargetModel, cfg: DrafterConfig) -> None:
+def check_compatible(target: Target, cfg: DrafterConfig) -> None:
     """A drafter must match the target it shares embeddings, head and features with."""
     if cfg.hidden_size != target.hidden_size:
         raise DFlashError(
@@ -98,7 +121,7 @@ def check_compatible(target: TargetModel, cfg: DrafterConfig) -> None:
         )
 
 
-def resolve_draft_dtype(choice, target: TargetModel) -> torch.dtype:
+def resolve_draft_dtype(choice, target: Target) -> torch.dtype:
     """The dtype the drafter computes in. None: the target's (drafts bit-identical to the
     reference implementation's at fp32). "auto": bfloat16 where the target runs fp32 on a CPU
     with native bf16 matrix instructions (AVX-512 BF16 / AMX; the published drafters are
@@ -123,7 +146,7 @@ def _is_int(x) -> bool:
 class Engine:
     def __init__(
         self,
-        target: TargetModel,
+        target: Target,
         drafter: DFlashDrafter,
         drafter_name: str = "drafter",
         random_drafter=False,
@@ -137,14 +160,18 @@ class Engine:
         check_compatible(target, drafter.config)
         self.target = target
         self.draft_dtype = resolve_draft_dtype(draft_dtype, target)
-        w = target.lm_head.weight.detach()
-        self.draft_head = w if w.dtype == self.draft_dtype else w.to(self.draft_dtype)
         self.random_drafter = random_drafter
         self.tokenizer = target.tokenizer
-        self._install(drafter, drafter_name, drafter_sha256)
+        self.dflash = DFlashProposer(target, drafter, drafter_name, drafter_sha256, self.draft_dtype)
+        self.workloads = WorkloadMemory()
+        self.suffix = SuffixProposer(self.workloads)
         self.policy_config = policy_config
         self.cost_dir = cost_dir
         self._cost_curve = cost_curve
+        # The most requests one step serves (the scheduler's batch): the cost curve is
+        # measured up to it. 1 for an engine that steps one request at a time.
+        self.max_batch = 1
+        self._drafting = 1  # how many requests drafted in the last step that drafted
         # Counts of recent `auto` generations: the starting prior of requests that bring none.
         self.recent_counts: deque[dict] = deque(maxlen=200)
         self._max_token_chars = None
@@ -158,31 +185,36 @@ class Engine:
             raise DFlashError("bad_device", "device 'cuda' was asked for but no CUDA device is available")
         if device != "cpu" and not device.startswith("cuda"):
             raise DFlashError("bad_device", f"device must be 'cpu' or 'cuda[:N]', got '{device}'")
-        target = TargetModel.from_pretrained(target_dir, device=device, dtype=DTYPES[dtype])
+        target = HFTarget.from_pretrained(target_dir, device=device, dtype=DTYPES[dtype])
         drafter, sha = load_versioned(drafter_dir, device=device, dtype=DTYPES[dtype])
         return cls(target, drafter, drafter_name=Path(drafter_dir).name, random_drafter=random_drafter,
                    cost_dir=cost_dir, drafter_sha256=sha, draft_dtype=draft_dtype)
 
     # --- the drafter, and replacing it between steps --------------------------------------
 
-    def _install(self, drafter, name: str, sha256: str | None) -> None:
-        target = self.target
-        self.drafter = drafter.to(device=target.device, dtype=self.draft_dtype)
-        self.drafter_name = name
-        self.drafter_sha256 = sha256 if sha256 is not None else model_digest(drafter)
-        cfg = drafter.config
-        self.layer_ids = tuple(cfg.target_layer_ids)
-        # The mask rows of every block are the same: embed them once.
-        self.mask_embeds = target.embed(torch.full((cfg.block_size,), cfg.mask_token_id, device=target.device)).to(
-            self.draft_dtype)
+    @property
+    def drafter(self):
+        return self.dflash.current.model
+
+    @property
+    def drafter_name(self) -> str:
+        return self.dflash.current.name
+
+    @property
+    def drafter_sha256(self) -> str | None:
+        return self.dflash.sha256
 
     @property
     def drafter_version(self) -> str | None:
-        return version_label(self.drafter_sha256)
+        return self.dflash.current.version
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.dflash.layer_ids
 
     def in_use(self) -> DrafterInUse:
         """The current drafter, as a state started now keeps it."""
-        return DrafterInUse(self.drafter, self.mask_embeds, self.drafter_name, self.drafter_version, self.draft_head)
+        return self.dflash.current
 
     def swap_drafter(self, drafter, name: str, sha256: str | None = None, random_drafter: bool = False) -> dict:
         """Replace the drafter for states started from now on (call it between steps, on the
@@ -194,7 +226,7 @@ class Engine:
         check_compatible(self.target, drafter.config)
         before = {"drafter": self.drafter_name, "drafter_version": self.drafter_version}
         same_shape = _geometry(drafter.config) == _geometry(self.drafter.config)
-        self._install(drafter, name, sha256)
+        self.dflash.install(drafter, name, sha256)
         self.random_drafter = random_drafter
         if not same_shape:
             self._cost_curve = None
@@ -210,8 +242,16 @@ class Engine:
     def cost_curve(self) -> CostCurve:
         """The device's step prices, measured on first use (and cached on disk in cost_dir)."""
         if self._cost_curve is None:
-            self._cost_curve = load_or_measure(self, self.cost_dir)
+            self._cost_curve = load_or_measure(self, self.cost_dir, self.max_batch)
         return self._cost_curve
+
+    def prices(self, decoding: int, prefill_seqs: int = 0, prefill_tokens: int = 0) -> Prices:
+        """One decoding request's prices in a step of `decoding` of them plus prefill chunks."""
+        return self.cost_curve.prices(decoding, prefill_seqs, prefill_tokens, self._drafting)
+
+    def note_drafting(self, n: int) -> None:
+        if n:
+            self._drafting = n
 
     # --- requests ---------------------------------------------------------------------
 
@@ -313,9 +353,9 @@ class Engine:
 
     # --- decoding -------------------------------------------------------------------------
 
-    def start(self, req: GenerationRequest) -> DecodeState:
-        """Validate and tokenise the request, prefill, and return its state (holding the
-        first token)."""
+    def admit(self, req: GenerationRequest) -> DecodeState:
+        """Validate and tokenise the request; its state caches nothing yet (the first steps
+        prefill it)."""
         params = req.sampling()
         prompt_ids = self.prompt_ids(req)
         fixed = self.validate(req, len(prompt_ids))
@@ -323,11 +363,11 @@ class Engine:
         policy = None
         if fixed is None and block > 1:
             policy = BlockPolicy(self.cost_curve, block, self.prior_for(req), self.policy_config)
-        speculative = block > 1
         gen = None
         if not params.greedy:
             gen = torch.Generator(device=self.target.device)
             gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        workload = self._workload(req)
         state = DecodeState(
             prompt_ids=prompt_ids,
             params=params,
@@ -335,20 +375,49 @@ class Engine:
             stop_ids=frozenset(self.target.eos_ids) | frozenset(req.stop_ids),
             block_size=block,
             policy=policy,
-            layer_ids=self.layer_ids if speculative else (),
-            target_cache=self.target.new_cache(),
-            draft_cache=self.drafter.new_cache() if speculative else None,
-            drafter=self.in_use(),
+            seq=self.target.new_sequence(),
             generator=gen,
             stats=GenerationStats(block_size=block, policy="auto" if policy else "fixed",
                                   prompt_tokens=len(prompt_ids)),
             stops=StopStrings(self.decode, req.stop) if req.stop else None,
+            workload=workload,
         )
-        loop.prefill(self.target, state)
+        allowed = set(req.proposers) if req.proposers is not None else {DFLASH, SUFFIX}
+        if block > 1 and (DFLASH in allowed or fixed is not None):  # a fixed block size: the drafter's
+            state.proposals[DFLASH] = self.dflash.start(state)
+        if policy is not None and req.proposals and SUFFIX in allowed:
+            state.proposals[SUFFIX] = self.suffix.start(state)
         return state
 
-    def step(self, state: DecodeState) -> StepResult:
-        return loop.step(self.target, self.in_use(), state)
+    def _workload(self, req: GenerationRequest) -> str | None:
+        """The request's workload key, its memory loaded (from the history it brings) if this
+        engine has none yet; DFlashError need_history when it has none and brings none."""
+        if req.workload is None:
+            return None
+        key = WorkloadMemory.check_key(req.workload)
+        if self.workloads.get(key) is None:
+            if req.history is None:
+                raise DFlashError("need_history", f"this worker has no memory of workload {key!r} yet: "
+                                  "send its past outputs as 'history'")
+            self.workloads.load(key, check_history(req.history, self.target.vocab_size))
+        return key
+
+    def start(self, req: GenerationRequest) -> DecodeState:
+        """Admit and prefill the request in one go; the state holds the first token."""
+        state = self.admit(req)
+        self.step([state])
+        return state
+
+    def step(self, states: list[DecodeState], budget: int | None = None) -> list[StepResult]:
+        """One step for every state (none done): one target forward for all of them.
+        `budget`: the most tokens that forward may take (prefill chunks fill what decoding
+        leaves; None: whole prompts at once)."""
+        return step_mod.step(self, states, budget)
+
+    def release(self, state: DecodeState) -> None:
+        """Free a state's memory (a request that ends early: cancelled, past its deadline)."""
+        self.target.free(state.seq)
+        state.proposals.clear()
 
     def finish(self, state: DecodeState) -> GenerationResult:
         ids = state.output_ids
@@ -358,13 +427,26 @@ class Engine:
         state.stats.new_tokens = len(ids)
         if state.policy is not None:
             self.recent_counts.append(state.policy.counts())
+        if state.workload is not None and ids:
+            self.workloads.remember(state.workload, list(ids))
+        self.release(state)
         return GenerationResult(state.prompt_ids, list(ids), text, state.finish_reason or "length", state.stats)
 
     def generate(self, req: GenerationRequest) -> GenerationResult:
         state = self.start(req)
         while not state.done:
-            self.step(state)
+            self.step([state])
         return self.finish(state)
+
+    def generate_many(self, reqs: list[GenerationRequest], budget: int | None = None) -> list[GenerationResult]:
+        """Several requests as one batch: every step serves all that are not done."""
+        states = [self.admit(r) for r in reqs]
+        while True:
+            live = [s for s in states if not s.done]
+            if not live:
+                break
+            self.step(live, budget)
+        return [self.finish(s) for s in states]
 
 
 def _geometry(cfg: DrafterConfig) -> tuple:
@@ -382,6 +464,15 @@ def pool_counts(counts, width: int) -> dict:
                 acc[i] += a
                 jud[i] += j
     return {"accepted": acc, "judged": jud}
+
+
+def check_history(history, vocab_size: int) -> list[list[int]]:
+    """A workload's past outputs as requests bring them: lists of token ids, newest first."""
+    ok = isinstance(history, list) and all(isinstance(h, list) for h in history)
+    ok = ok and all(_is_int(t) and 0 <= t < vocab_size for h in history for t in h)
+    if not ok:
+        raise DFlashError("bad_params", "history must be a list of token-id lists (a workload's past outputs)")
+    return history
 
 
 def check_prior(prior):

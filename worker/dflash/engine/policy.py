@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from dflash.engine.config import PolicyConfig
-from dflash.engine.costs import CostCurve
+from dflash.engine.costs import CostCurve, Prices
 
 
 @dataclass
@@ -76,10 +76,16 @@ def expected_tokens(acceptance: list[float], verify_len: int) -> float:
 
 
 class BlockPolicy:
-    """The per-request state of `auto`: counts, calibration, recent confidences, probing."""
+    """The per-request state of `auto`: counts, calibration, recent confidences, probing.
+
+    Prices come with every step (`price(prices)` before deciding): a request stepped alone
+    pays the device's single-request curve; one of a batch pays its share of the batch's
+    forward plus what its extra rows add, and time is worth the batch's rate, so
+    speculation backs off under load where verifying extra rows no longer pays."""
 
     def __init__(self, costs: CostCurve, max_block: int, prior: Prior, cfg: PolicyConfig):
-        self.costs, self.cfg = costs, cfg
+        self.cfg = cfg
+        self.prices: Prices = costs.solo()
         self.max_block = min(max_block, costs.max_block)
         width = max(self.max_block - 1, 0)
         self.acc = [0] * width
@@ -97,6 +103,13 @@ class BlockPolicy:
         # decision stands until a drafted step or a lower rate (which makes drafting cheaper);
         # deciding costs about a millisecond, ~2 % of a plain step on a CPU.
         self._plain_at_rate: float | None = None
+        self._plain_prices: Prices | None = None
+        self._draft_values: list[float] | None = None  # what the last draft_length() weighed
+        # The suffix proposer's chains (point masses, priced by their lookup) are calibrated
+        # on their own outcomes by their match-count confidence; they never enter the
+        # drafter's counts or calibration.
+        self.s_cal_acc = [0] * cfg.calibration_bins
+        self.s_cal_n = [0] * cfg.calibration_bins
         if self.max_block > 1 and prior.judged and prior.judged[0] >= cfg.informed_prior_steps:
             values = self.draft_values()
             if max(range(len(values)), key=lambda i: (values[i], -i)) == 0:
@@ -104,11 +117,15 @@ class BlockPolicy:
 
     # --- estimates -------------------------------------------------------------------
 
+    def price(self, prices: Prices) -> None:
+        """The prices of the step about to be planned."""
+        self.prices = prices
+
     @property
     def rate(self) -> float:
-        """Tokens per second to price time at: plain decoding's, or what this request already
-        achieves when that is better."""
-        plain = 1.0 / self.costs.verify_s[0]
+        """Tokens per second to price time at: plain decoding's in this step, or what this
+        request already achieves when that is better."""
+        plain = self.prices.plain_rate
         return max(plain, self.tokens / self.cost) if self.cost > 0 else plain
 
     def position_rates(self) -> list[float]:
@@ -143,7 +160,7 @@ class BlockPolicy:
 
     def _verify_values(self, acceptance: list[float], rate: float) -> list[float]:
         """For L = 1..max_block: expected tokens of verifying L, minus its price at `rate`."""
-        verify_s = self.costs.verify_s
+        verify_s = self.prices.verify_s
         out = [1.0 - rate * verify_s[0]]
         total = run = 1.0
         for L in range(2, self.max_block + 1):
@@ -172,7 +189,7 @@ class BlockPolicy:
                 best = max(best, value)
                 earned[i] += best
         n = len(vectors)
-        return [earned[0] / n] + [earned[D - 1] / n - rate * self.costs.draft_s[D - 1]
+        return [earned[0] / n] + [earned[D - 1] / n - rate * self.prices.draft_s[D - 1]
                                   for D in range(2, self.max_block + 1)]
 
     # --- decisions ---------------------------------------------------------------------
@@ -183,11 +200,13 @@ class BlockPolicy:
         if self.max_block < 2:
             return 1
         rate = self.rate
-        if self._plain_at_rate is not None and rate >= self._plain_at_rate and self.plain_run < self.probe_every:
+        if (self._plain_at_rate is not None and self._plain_prices is self.prices and rate >= self._plain_at_rate
+                and self.plain_run < self.probe_every):
             return 1
-        values = self.draft_values()
+        values = self._draft_values = self.draft_values()
         best = max(range(len(values)), key=lambda i: (values[i], -i)) + 1
         self._plain_at_rate = rate if best == 1 else None
+        self._plain_prices = self.prices
         if best == 1 and self.plain_run >= self.probe_every:
             best = min(self.cfg.probe_len, self.max_block)
         # A probe, or a drafted step before the calibration has seen anything, verifies all
@@ -195,6 +214,51 @@ class BlockPolicy:
         # confidence is sometimes right (a drafter whose peaks are flat but correct).
         self.probing = best > 1 and (self.plain_run >= self.probe_every or sum(self.cal_n) < self.cfg.warmup_outcomes)
         return best
+
+    def plan(self, suffix: list[float] | None, suffix_s: float, dflash: bool = True) -> tuple[str | None, int]:
+        """Who drafts this step: ("suffix", L) verifies L - 1 tokens of the suffix proposer's
+        chain (whose per-position confidences are `suffix`, at a lookup price of `suffix_s`
+        seconds, already paid); ("dflash", D) runs the drafter over D positions (L chosen
+        after, from its confidence); (None, 1) is a plain step. The most expected net tokens
+        wins, except that the drafter's due probes still run (steps the suffix proposer
+        drafts count as plain ones for its schedule), so a drafter that would do better is
+        found even where the suffix proposer always has something to offer."""
+        self._draft_values = None
+        best, value = (None, 1), 1.0 - self.rate * self.prices.verify_s[0]
+        if suffix:
+            L, v = self.suffix_verify(suffix)
+            if L > 1 and v > value:
+                best, value = ("suffix", L), v
+        if dflash:
+            D = self.draft_length()
+            due = self.probing and self.plain_run >= self.probe_every  # the drafter's probe: it must learn too
+            if D > 1 and (due or (self._draft_values is not None and self._draft_values[D - 1] > value)):
+                best = ("dflash", D)
+            elif D > 1:
+                self.probing = False
+        return best
+
+    def suffix_verify(self, confidences: list[float]) -> tuple[int, float]:
+        """(L, value) for a suffix chain: its confidences calibrated by this request's
+        outcomes of suffix drafts at similar confidence."""
+        k = self.cfg.calibration_strength
+        acc = []
+        for c in confidences[: self.max_block - 1]:
+            b = self._bin(c)
+            acc.append((self.s_cal_acc[b] + k * c) / (self.s_cal_n[b] + k))
+        values = self._verify_values(acc + [0.0] * (self.max_block - 1 - len(acc)), self.rate)[: len(acc) + 1]
+        L = max(range(len(values)), key=lambda i: (values[i], -i)) + 1
+        return L, values[L - 1]
+
+    def observe_suffix(self, confidences: list[float], verify_len: int, accepted: int, suffix_s: float) -> None:
+        """A suffix-drafted step's outcome; for the drafter's schedule it was a plain step."""
+        self.tokens += accepted + 1
+        self.cost += self.prices.verify_s[verify_len - 1] + suffix_s
+        for i in range(min(accepted + 1, verify_len - 1)):
+            b = self._bin(confidences[i])
+            self.s_cal_n[b] += 1
+            self.s_cal_acc[b] += i < accepted
+        self.plain_run += 1
 
     def verify_length(self, confidences: list[float]) -> int:
         """L for this step, given the drafter's confidence at each drafted position."""
@@ -207,7 +271,7 @@ class BlockPolicy:
     def observe(self, confidences: list[float], verify_len: int, accepted: int, draft_len: int) -> None:
         committed = accepted + 1
         self.tokens += committed
-        self.cost += self.costs.step_s(draft_len, verify_len)
+        self.cost += self.prices.step_s(draft_len, verify_len)
         if draft_len > 1:
             self.history.append(list(confidences))
         for i in range(min(accepted + 1, verify_len - 1)):  # the positions that were judged
@@ -223,8 +287,8 @@ class BlockPolicy:
         self.plain_run = 0
         self._plain_at_rate = None
         if self.probing:
-            paid = committed - self.rate * self.costs.step_s(draft_len, verify_len) > (
-                1.0 - self.rate * self.costs.verify_s[0])
+            paid = committed - self.rate * self.prices.step_s(draft_len, verify_len) > (
+                1.0 - self.rate * self.prices.verify_s[0])
             self.probe_every = self.cfg.probe_after if paid else min(self.probe_every * 2, self.cfg.probe_max_gap)
 
     def counts(self) -> dict:

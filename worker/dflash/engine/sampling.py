@@ -10,29 +10,60 @@ p_{K+1} when every draft is kept). A step therefore commits accepted + 1 tokens.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dflash.engine.config import SamplingParams
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p; returns fp32 probabilities over the last dim."""
+    """Top-k, temperature, then top-p; returns fp32 probabilities over the last dim.
+
+    Every valid parameter gives a proper distribution (finite, >= 0, rows summing to 1),
+    down to the limits: a temperature too small for float32 (1e-300) keeps only the
+    maxima, one too large (1e300) leaves every surviving token equally likely, and a
+    top_p too small for float32 (1e-300) keeps the single most likely token."""
     # Shift before dividing: with a tiny temperature (1e-40 is valid) the quotient of raw
     # logits overflows to inf and inf - inf is NaN; shifted logits are <= 0, so the top
     # stays 0 and the rest can only run to -inf (probability 0).
     logits = logits.float()
-    logits = (logits - logits.max(-1, keepdim=True).values) / params.temperature
+    logits = logits - logits.max(-1, keepdim=True).values
+    # Top-k before the temperature: which tokens are the k largest does not depend on it,
+    # and after a huge temperature every quotient rounds to 0, which would keep them all.
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    tempered = _divide(logits, float(params.temperature))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop a token when the mass before it already reaches top_p (the first token always stays).
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
+        # Rank by the logits before the temperature (the same order, but a huge temperature
+        # rounds every quotient to 0 and would leave the ranking to chance).
+        order = torch.sort(logits, dim=-1, descending=True).indices
+        sorted_probs = tempered.gather(-1, order).softmax(-1)
+        # Drop a token when the mass before it already reaches top_p. The first token always
+        # stays: its mass before is 0, and a top_p below float32's range (1e-300) rounds to
+        # 0 in the comparison, which would otherwise drop every token.
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+        tempered = tempered.masked_fill(drop, float("-inf"))
+    return tempered.softmax(-1)
+
+
+def _divide(shifted: torch.Tensor, temperature: float) -> torch.Tensor:
+    """shifted / temperature for shifted logits (<= 0, the maximum exactly 0), in float32.
+
+    The division runs in the tensor's dtype, so the temperature is rounded to float32
+    first: below about 7e-46 it becomes 0 (and 0 / 0 is NaN), above about 3.4e38 it
+    becomes inf (and -inf / inf is NaN). Those two cases take the quotient's limit."""
+    t32 = torch.tensor(float(temperature), dtype=torch.float32).item()
+    if t32 == 0.0:
+        # x / t for t -> 0+: 0 stays 0, every negative x goes to -inf.
+        return torch.where(shifted == 0, 0.0, float("-inf")).to(shifted.dtype)
+    if math.isinf(t32):
+        # x / t for t -> inf: every finite x goes to 0, -inf (masked) stays -inf.
+        return torch.where(torch.isfinite(shifted), 0.0, float("-inf")).to(shifted.dtype)
+    return shifted / temperature
 
 
 def sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:

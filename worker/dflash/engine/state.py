@@ -1,10 +1,9 @@
-"""Per-request decode state and the result of one step.
+"""Per-request decode state and the result of one step: data, no behaviour.
 
-A `DecodeState` owns everything one request needs between steps: its ids, the target's
-and the drafter's caches, the target features not yet fed to the drafter, its random
-generator, its block-length policy and statistics. Nothing is global, so several
-requests can take turns on one engine (the worker interleaves them step by step), and a
-later batched forward can serve several states at once.
+A `DecodeState` holds everything one request is between steps: its ids, its target
+sequence (a handle: the KV memory belongs to the target backend), each proposer's state,
+its random generator, its block-length policy and statistics. Nothing is global, so the
+engine steps any set of states together, each as if it ran alone.
 """
 
 from __future__ import annotations
@@ -14,40 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash.engine.config import SamplingParams
-from dflash.engine.drafter import DFlashDrafter, DraftCache
 from dflash.engine.policy import BlockPolicy
 from dflash.engine.stats import GenerationStats
 from dflash.engine.stops import StopStrings
-
-
-@dataclass(frozen=True)
-class DrafterInUse:
-    """The drafter a state was started with, and what the loop needs of it. A hot swap
-    (`Engine.swap_drafter`) replaces the engine's; a state already started keeps its own,
-    with its cache, to the end."""
-
-    model: DFlashDrafter
-    mask_embeds: torch.Tensor  # the target's embedding of the mask token, one row per block slot
-    name: str
-    version: str | None  # dflash.engine.versions: a digest of the weights
-    # The target's LM head in the drafter's dtype (the drafter borrows it). Drafts are only
-    # proposals, so they may be computed in a cheaper dtype than the target's (bf16 on a
-    # CPU with native bf16, for instance) without changing the output.
-    head: torch.Tensor | None = None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.mask_embeds.dtype
-
-    def logits(self, context: torch.Tensor, anchor_embed: torch.Tensor, draft_len: int, positions: torch.Tensor,
-               cache) -> torch.Tensor:
-        """One drafter forward over [anchor, MASK * (draft_len - 1)] after the new context
-        features [S, F]; returns fp32 logits of the draft_len - 1 drafted rows (the LM head runs
-        on those rows only)."""
-        block = torch.cat((anchor_embed.to(self.dtype), self.mask_embeds[: draft_len - 1]))[None]
-        with torch.inference_mode():
-            hidden = self.model(context.to(self.dtype)[None], block, positions, cache)
-            return torch.nn.functional.linear(hidden[0, 1:], self.head).float()
 
 
 @dataclass
@@ -58,20 +26,23 @@ class DecodeState:
     stop_ids: frozenset[int]
     block_size: int  # the fixed verify length, or the largest one `auto` may choose
     policy: BlockPolicy | None  # None: every step verifies block_size tokens
-    layer_ids: tuple[int, ...]  # target features to collect (empty: no drafter at all)
-    target_cache: object
-    draft_cache: DraftCache | None
+    seq: object  # the target's sequence handle (its KV memory)
     generator: torch.Generator | None
     stats: GenerationStats
     stops: StopStrings | None = None
-    drafter: DrafterInUse | None = None  # None: the engine's current drafter
+    workload: str | None = None  # whose past outputs it may draft from, and will join
+    proposals: dict[str, object] = field(default_factory=dict)  # proposer name -> its state for this request
     output_ids: list[int] = field(default_factory=list)  # committed new tokens
-    pending: list[torch.Tensor] = field(default_factory=list)  # features the drafter has not seen
+    prefilled: int = 0  # prompt tokens in the target's cache
     finish_reason: str | None = None  # "stop" | "length" | "context" once done
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt_ids)
 
     @property
     def length(self) -> int:
@@ -81,11 +52,17 @@ class DecodeState:
 
 @dataclass
 class StepResult:
-    anchor: int  # the last committed token before the step
+    anchor: int  # the last committed token before the step (-1: a prefill chunk)
     draft_ids: list[int]  # the drafts that were verified (verify_len - 1 of them)
     accepted: int
-    next_token: int  # the target's own token after the accepted drafts
+    next_token: int | None  # the target's own token after the accepted drafts (None: none yet)
     committed: list[int]  # what the step appended to the output (a stop may cut it short)
     draft_len: int  # block positions the drafter computed, anchor included (1: none)
     verify_len: int
     finish_reason: str | None
+    prefilled: int = 0  # prompt tokens this step cached (a prefill chunk)
+    proposer: str | None = None  # who drafted (None: a plain step)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.prefilled > 0

@@ -37,6 +37,8 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)
     judged_per_position: list[int] = field(default_factory=list)
     verify_lengths: Counter = field(default_factory=Counter)
+    # Per proposer that drafted: steps it drafted, tokens it had verified, tokens kept.
+    by_proposer: dict = field(default_factory=dict)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     draft_s: float = 0.0
@@ -47,9 +49,16 @@ class GenerationStats:
         self.accepted_per_position = self.accepted_per_position or [0] * width
         self.judged_per_position = self.judged_per_position or [0] * width
 
-    def record(self, draft_ids: list[int], accepted: int, drafted: int = 0) -> None:
+    def record(self, draft_ids: list[int], accepted: int, drafted: int = 0, proposer: str | None = None) -> None:
         self.steps.append(StepRecord(draft_ids, accepted, drafted))
         self.verify_lengths[len(draft_ids) + 1] += 1
+        if proposer is not None and draft_ids:
+            c = self.by_proposer.setdefault(proposer, {"steps": 0, "drafted": 0, "accepted": 0})
+            c["steps"] += 1
+            c["drafted"] += len(draft_ids)
+            c["accepted"] += accepted
+        if proposer == "suffix":
+            return  # the per-position counts are the drafter's: block length auto's workload prior
         _add_at(self.accepted_per_position, accepted)
         # Position i is judged when it was verified and positions < i were all accepted.
         _add_at(self.judged_per_position, min(accepted + 1, len(draft_ids)))
@@ -64,7 +73,7 @@ class GenerationStats:
 
     @property
     def accepted(self) -> int:
-        return sum(self.accepted_per_position)
+        return sum(s.accepted for s in self.steps)
 
     @property
     def drafting_steps(self) -> int:
@@ -103,6 +112,7 @@ class GenerationStats:
             "accepted_per_position": list(self.accepted_per_position),
             "judged_per_position": list(self.judged_per_position),
             "verify_length_histogram": {str(k): v for k, v in sorted(self.verify_lengths.items())},
+            "proposers": {k: dict(v) for k, v in sorted(self.by_proposer.items())},
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "draft_s": self.draft_s,

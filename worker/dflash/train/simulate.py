@@ -138,7 +138,7 @@ def with_groups(sequences: list[dict], groups: dict[str, str]) -> list[dict]:
 def bench_store(target, layer_ids: list[int], suites: list[str], limit: int, max_new_tokens: int, cache_dir: Path):
     """The bench prompts' greedy answers (answered once, one at a time like the engine, and
     cached) with fp32 features in memory: (store, its sequences with "group" = suite)."""
-    from dflash.bench.run import load_suite
+    from dflash.suites import load_suite
     from dflash.train.data import load_records, regenerate
     from dflash.train.features import DeviceFeatures
 
@@ -168,10 +168,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from dflash.engine.drafter import load_drafter
-    from dflash.engine.target import TargetModel
+    from dflash.engine.target.hf import HFTarget
     from dflash.models import default_target_dir, ensure_default_target
 
-    target = TargetModel.from_pretrained(args.target or ensure_default_target())
+    target = HFTarget.from_pretrained(args.target or ensure_default_target())
     drafters = [load_drafter(d) for d in args.drafter]
     layer_ids = drafters[0].config.target_layer_ids
     if any(d.config.target_layer_ids != layer_ids for d in drafters):

@@ -1,0 +1,313 @@
+"""Throughput and latency under load, through the real worker socket (or through SQL).
+
+    python -m dflash.bench.load --concurrency 1,2,4,8 --requests 16 --max-new-tokens 64 --out DIR
+        [--socket PATH] [--via socket|sql --dsn DSN] [--suite chat] [--block-size N] [--threads N]
+
+Without --socket it starts its own worker (`dflash serve`, the default models, no embedder)
+on a temporary socket and stops it at the end. For each concurrency C, C clients send the
+same `--requests` prompts (prompt i of the suite is request i, greedy), each taking the
+next one as soon as its last is answered. `tokens_per_s` is every request's new tokens over
+the run's wall time; latencies are per request, send to answer. Outputs are compared with
+the same prompt's output at concurrency 1 (run first when 1 is not asked for): a difference
+is counted, and its first diverging position reported. `--via sql` sends each request as
+`SELECT dflash_generate_stats(...)` from C PostgreSQL sessions (the database's
+dflash.config socket_path must name the worker's socket; with a worker of its own the bench
+sets it, and puts it back after).
+
+Writes DIR/load.json ({"runs": [{"concurrency", "tokens_per_s", "p50_latency_s",
+"p95_latency_s", "mismatches_vs_solo", ...}], ...}) and DIR/load.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from dflash.serve.client import Client, WorkerError
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return 0.0
+    k = (len(xs) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+class SocketCaller:
+    def __init__(self, socket_path: str):
+        self.path = socket_path
+
+    def __call__(self, params: dict) -> dict:
+        with Client(self.path, connect_timeout=30) as c:
+            return c.call("generate", params)
+
+
+class SqlCaller:
+    """One PostgreSQL session per client thread, calling dflash_generate_stats."""
+
+    def __init__(self, dsn: str):
+        self.dsn = dsn
+        self.local = threading.local()
+
+    def __call__(self, params: dict) -> dict:
+        import psycopg
+
+        conn = getattr(self.local, "conn", None)
+        if conn is None:
+            conn = self.local.conn = psycopg.connect(self.dsn, autocommit=True)
+        args = [params["prompt"], params["max_new_tokens"], params.get("block_size")]
+        row = conn.execute("SELECT dflash_generate_stats(%s, max_new_tokens => %s, temperature => 0, "
+                           "block_size => %s)", args).fetchone()[0]
+        return row
+
+
+def run_level(caller, requests: list[dict], concurrency: int) -> dict:
+    """Send every request from `concurrency` clients; per-request latency and output."""
+    results: list[dict | None] = [None] * len(requests)
+    latency = [0.0] * len(requests)
+    errors: list[str] = []
+    lock = threading.Lock()
+    nxt = iter(range(len(requests)))
+
+    def client():
+        while True:
+            with lock:
+                i = next(nxt, None)
+            if i is None:
+                return
+            t = time.perf_counter()
+            try:
+                results[i] = caller(requests[i])
+            except (WorkerError, Exception) as exc:  # counted, not hidden
+                with lock:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+            latency[i] = time.perf_counter() - t
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    tokens = sum(r["new_tokens"] for r in results if r)
+    return {"concurrency": concurrency, "requests": len(requests), "wall_s": wall, "new_tokens": tokens,
+            "tokens_per_s": tokens / wall if wall else None, "p50_latency_s": percentile(latency, 0.5),
+            "p95_latency_s": percentile(latency, 0.95), "mean_latency_s": statistics.fmean(latency),
+            "errors": len(errors), "error_samples": errors[:3], "_results": results}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(solo: list, other: list) -> list[dict]:
+    diffs = []
+    for i, (s, o) in enumerate(zip(solo, other)):
+        if s is None or o is None:
+            continue
+        at = first_difference(s["output_ids"], o["output_ids"])
+        if at is not None:
+            diffs.append({"request": i, "first_difference": at, "prompt_ids": s["prompt_ids"],
+                          "solo_ids": s["output_ids"], "batched_ids": o["output_ids"]})
+    return diffs
+
+
+def top2_gaps(diffs: list[dict], target_dir: str | None) -> None:
+    """For each difference, the reference target's top-2 logit gap at the first diverging
+    position after the solo prefix (below 1e-4 it is rounding; anything else a bug)."""
+    if not diffs:
+        return
+    import torch
+
+    from dflash.engine.target.hf import HFTarget
+    from dflash.models import ensure_default_target
+
+    target = HFTarget.from_pretrained(target_dir or ensure_default_target(quiet=True))
+    for d in diffs:
+        ids = d["prompt_ids"] + d["solo_ids"][: d["first_difference"]]
+        logits, _ = target.forward(torch.tensor(ids), target.new_cache(), (), last_only=True)
+        top = torch.topk(logits[-1], 2).values
+        d["top2_gap"] = float(top[0] - top[1])
+
+
+def start_worker(tmp: str, args) -> tuple[subprocess.Popen, str]:
+    sock = os.path.join(tmp, "worker.sock")
+    cmd = [sys.executable, "-m", "dflash.cli", "serve", "--socket", sock, "--no-embedder",
+           "--max-active", str(args.max_active)]
+    for flag in ("target", "drafter", "threads", "device", "dtype", "target_backend"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            cmd += [f"--{flag.replace('_', '-')}", str(value)]
+    if args.via == "sql":
+        cmd += ["--socket-group", "postgres"]
+    log = open(os.path.join(tmp, "worker.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    end = time.monotonic() + 600
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"dflash.bench.load: the worker exited ({proc.returncode}); see {log.name}")
+        try:
+            with Client(sock, connect_timeout=1) as c:
+                c.call("status", {})
+            return proc, sock
+        except WorkerError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("dflash.bench.load: the worker did not start within 10 minutes")
+
+
+def plot(report: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    c = [r["concurrency"] for r in runs]
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax[0].plot(c, [r["tokens_per_s"] for r in runs], marker="o")
+    ax[0].set(xlabel="concurrent callers", ylabel="tokens/s (all requests)", xscale="log", title="throughput")
+    ax[1].plot(c, [r["p50_latency_s"] for r in runs], marker="o", label="p50")
+    ax[1].plot(c, [r["p95_latency_s"] for r in runs], marker="o", label="p95")
+    ax[1].set(xlabel="concurrent callers", ylabel="seconds per request", xscale="log", title="latency")
+    ax[1].legend()
+    for a in ax:
+        a.set_xticks(c, [str(x) for x in c])
+    fig.suptitle(report.get("title", ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "load.png", dpi=110)
+
+
+def markdown(report: dict) -> str:
+    rows = ["| callers | tokens/s | × 1 caller | p50 latency s | p95 latency s | mismatches vs solo | errors |",
+            "|---|---|---|---|---|---|---|"]
+    base = report["runs"][0]["tokens_per_s"] or 1.0
+    for r in report["runs"]:
+        rows.append(f"| {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f} | "
+                    f"{r['p50_latency_s']:.2f} | {r['p95_latency_s']:.2f} | {r['mismatches_vs_solo']} | {r['errors']} |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv=None) -> int:
+    from dflash.suites import load_suite
+    from dflash.engine.costs import cpu_name
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--suite", default="chat")
+    ap.add_argument("--block-size", type=int, help="fixed block size (default: auto)")
+    ap.add_argument("--socket", help="a running worker's socket (default: start one)")
+    ap.add_argument("--via", choices=["socket", "sql"], default="socket")
+    ap.add_argument("--dsn", help="libpq DSN of a database with the extension (--via sql)")
+    ap.add_argument("--max-active", type=int, default=64, help="the started worker's batch (default 64)")
+    ap.add_argument("--threads", type=int, help="the started worker's torch threads")
+    ap.add_argument("--device", help="the started worker's device (default cpu)")
+    ap.add_argument("--dtype", help="the started worker's dtype (default float32)")
+    ap.add_argument("--target")
+    ap.add_argument("--drafter")
+    ap.add_argument("--out", default="bench-out/load")
+    args = ap.parse_args(argv)
+    if args.via == "sql" and not args.dsn:
+        ap.error("--via sql needs --dsn")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if any(c < 1 for c in levels):
+        ap.error("--concurrency takes positive integers")
+    prompts = load_suite(args.suite, None)
+    requests = [{"prompt": prompts[i % len(prompts)], "max_new_tokens": args.max_new_tokens, "chat": True,
+                 "temperature": 0, **({"block_size": args.block_size} if args.block_size else {})}
+                for i in range(args.requests)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="dflash-load-") as tmp:
+        os.chmod(tmp, 0o755)
+        proc, sock = (None, args.socket) if args.socket else start_worker(tmp, args)
+        restore = None
+        try:
+            status = Client(sock).connect().call("status", {})
+            if args.via == "sql":
+                restore = _point_database_at(args.dsn, sock) if proc is not None else None
+                caller = SqlCaller(args.dsn)
+            else:
+                caller = SocketCaller(sock)
+            caller(dict(requests[0], max_new_tokens=4))  # warm up
+            solo = None
+            runs = []
+            for c in ([1] if 1 not in levels else []) + levels:
+                run = run_level(caller, requests, c)
+                if c == 1 and solo is None:
+                    solo = run["_results"]
+                diffs = compare(solo, run["_results"])
+                run["mismatches_vs_solo"] = len(diffs)
+                run["differences"] = diffs
+                if c in levels:
+                    runs.append(run)
+                print(f"concurrency {c}: {run['tokens_per_s']:.1f} tok/s, p50 {run['p50_latency_s']:.2f} s, "
+                      f"p95 {run['p95_latency_s']:.2f} s, {len(diffs)} mismatches, {run['errors']} errors",
+                      file=sys.stderr, flush=True)
+        finally:
+            if restore is not None:
+                restore()
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    top2_gaps([d for r in runs for d in r["differences"]], args.target)
+    for r in runs:
+        r.pop("_results")
+        for d in r["differences"]:
+            for k in ("prompt_ids", "solo_ids", "batched_ids"):
+                d.pop(k)
+    report = {
+        "runs": runs,
+        "via": args.via,
+        "suite": args.suite,
+        "max_new_tokens": args.max_new_tokens,
+        "block_size": args.block_size or "auto",
+        "cpu": cpu_name(),
+        "device": status.get("device"),
+        "threads": status.get("threads"),
+        "target_backend": status.get("target_backend"),
+        "max_active": status.get("max_active"),
+        "command": "python -m dflash.bench.load " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "title": f"{status.get('target')} on {cpu_name()}, {status.get('threads')} threads, via {args.via}",
+    }
+    (out / "load.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out)
+    print(markdown(report))
+    print(f"written: {out / 'load.json'}, {out / 'load.png'}", file=sys.stderr)
+    return 0
+
+
+def _point_database_at(dsn: str, sock: str):
+    """Point the database's socket_path at our worker; returns how to put it back."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        old = conn.execute("SELECT value FROM dflash.config WHERE key = 'socket_path'").fetchone()[0]
+        conn.execute("SELECT dflash.set_config('socket_path', %s)", (sock,))
+
+    def restore():
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT dflash.set_config('socket_path', %s)", (old,))
+
+    return restore
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

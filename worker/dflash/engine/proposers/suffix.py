@@ -1,0 +1,81 @@
+"""The suffix proposer: drafts for free from what is already there.
+
+It finds the longest suffix of a request's committed tokens that occurred before, in the
+request's own prompt and output so far or in its workload's past outputs (the workload
+memory, dflash.engine.workloads), and proposes what followed there, as a chain, with a
+per-position confidence from the match counts (how many occurrences continued that way).
+No model runs: its price is the lookup, which it measures. A proposal is a point mass
+(`probs` None): the strict rule verifies it when sampling, so the target's law is kept.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dflash.engine.proposers.protocol import Draft
+from dflash.engine.proposers.suffix_index import SuffixIndex, propose_from
+
+NAME = "suffix"
+SELF = 0  # the document id of the request's own tokens in its index
+MAX_CONTEXT = 32  # the longest suffix looked up
+
+
+@dataclass
+class SuffixState:
+    own: SuffixIndex  # the request's prompt and output so far
+    indexed: int  # tokens of the request in `own`
+    workload: object | None  # its workload's memory (dflash.engine.workloads.Workload), if any
+
+
+class SuffixProposer:
+    name = NAME
+    layer_ids: tuple[int, ...] = ()
+
+    def __init__(self, workloads):
+        self.workloads = workloads
+        self.lookup_s = 2e-4  # a running mean of one proposal's price, seconds
+        self.lookups = 0
+
+    def start(self, state) -> SuffixState:
+        own = SuffixIndex()
+        own.add(SELF, list(state.prompt_ids))
+        memory = self.workloads.get(state.workload) if state.workload is not None else None
+        return SuffixState(own, len(state.prompt_ids), memory)
+
+    @staticmethod
+    def layers_of(state) -> tuple[int, ...]:
+        return ()
+
+    @staticmethod
+    def observe(state, features=None) -> None:
+        """Index the tokens committed since the last call."""
+        ps = state.proposals[NAME]
+        new = state.output_ids[ps.indexed - len(state.prompt_ids):]
+        if new:
+            ps.own.extend(SELF, list(new))
+            ps.indexed += len(new)
+
+    def propose(self, items: list[tuple[object, int]]) -> list[Draft]:
+        """For each (state, D): up to D - 1 tokens continuing the longest earlier match of
+        its committed suffix, from its own tokens or its workload's past outputs."""
+        out = []
+        for state, D in items:
+            t = time.perf_counter()
+            ps = state.proposals[NAME]
+            self.observe(state)
+            out_n = len(state.output_ids)
+            context = state.output_ids[-MAX_CONTEXT:] if out_n >= MAX_CONTEXT else (
+                state.prompt_ids[-(MAX_CONTEXT - out_n):] + state.output_ids)
+            indexes = [ps.own] if ps.workload is None else [ps.own, ps.workload.index]
+            tokens, confidence, _ = propose_from(indexes, context, D - 1, max_context=MAX_CONTEXT)
+            self._price(time.perf_counter() - t)
+            out.append(Draft(torch.tensor(tokens, dtype=torch.long), None, list(confidence)))
+        return out
+
+    def _price(self, seconds: float) -> None:
+        self.lookups += 1
+        w = 1.0 / min(self.lookups, 100)
+        self.lookup_s += (seconds - self.lookup_s) * w

@@ -1,0 +1,238 @@
+"""One engine step for a batch of requests: plan, propose, ONE target forward, verify, commit.
+
+Every state in the batch is either prefilling (its next prompt chunk joins the forward,
+within the step's token budget) or decoding. A decoding state's step: the anchor is its
+last committed token; the policy (or the fixed block size) picks how many positions D to
+draft, the proposer drafts D - 1 tokens after the anchor for every state that drafts (one
+drafter pass for all of them), the policy picks how many L <= D to verify, and the target
+verifies every state's `[anchor, drafts]` rows in one packed forward. The verify rule then
+keeps a prefix of each state's drafts and adds one token of the target's own; D = L = 1 is
+a plain autoregressive step through the same code. Greedy output equals the target's own
+greedy output because every committed token is the target's choice, given the committed
+prefix, in the forward that verified it.
+
+The verify rules and the commit are per state and pure (`verify`, `commit`): a state's
+output never depends on which other states shared its step, except through the rounding
+of a batched matmul (measured by `dflash.bench.load`; a top-2 gap of the target's logits
+below 1e-4 at the first difference is rounding).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dflash.engine.proposers.dflash import NAME as DFLASH
+from dflash.engine.proposers.suffix import NAME as SUFFIX
+from dflash.engine.sampling import sample, verify_greedy, verify_probabilistic, verify_strict, warp
+from dflash.engine.state import DecodeState, StepResult
+from dflash.engine.target import TargetRow
+
+
+def first_token(logits: torch.Tensor, state: DecodeState) -> int:
+    if state.params.greedy:
+        return int(logits.argmax())
+    return int(sample(warp(logits, state.params), state.generator))
+
+
+def commit(state: DecodeState, tokens: list[int]) -> list[int]:
+    """Append tokens until a stop id, a stop string or max_new_tokens; returns those kept."""
+    kept = []
+    for tok in tokens:
+        state.output_ids.append(tok)
+        kept.append(tok)
+        if tok in state.stop_ids or (state.stops is not None and state.stops.feed(tok)):
+            state.finish_reason = "stop"
+        elif len(state.output_ids) >= state.max_new_tokens:
+            state.finish_reason = "length"
+        if state.finish_reason:
+            break
+    return kept
+
+
+def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_probs, state: DecodeState) -> tuple[int, int]:
+    """(accepted drafts, the target's next token) by the state's verify rule. Drafts without
+    a distribution (point masses) are verified by the strict rule when sampling."""
+    mode = state.params.verify_mode
+    if mode == "greedy":
+        return verify_greedy(drafts, logits)
+    p = warp(logits, state.params)
+    if mode == "strict" or draft_probs is None:
+        return verify_strict(drafts, p, state.generator)
+    if len(drafts) == 0:
+        return 0, int(sample(p[0], state.generator))
+    return verify_probabilistic(drafts, draft_probs, p, state.generator)
+
+
+class _Plan:
+    """One decoding state's part of the step."""
+
+    def __init__(self, state: DecodeState, draft_len: int, proposer: str | None):
+        self.state = state
+        self.anchor = state.output_ids[-1]
+        self.draft_len = draft_len
+        self.proposer = proposer if draft_len > 1 else None  # who drafts: dflash, suffix, or nobody
+        self.drafts = torch.empty(0, dtype=torch.long)
+        self.probs = None
+        self.confidence: list[float] = []
+
+
+def _plan(state: DecodeState, engine) -> _Plan | None:
+    """What a decoding state drafts this step (None when it has no room left: context)."""
+    start = state.length - 1  # position of the anchor (the last committed token)
+    # The sequence may not grow past the context: the last verify ends at position ctx - 2.
+    room = engine.target.context_length - 1 - start
+    if room < 1:
+        return None
+    policy = state.policy
+    if policy is None:
+        return _Plan(state, min(state.block_size, room), DFLASH)
+    # auto never drafts what it could not commit
+    most = min(room, state.max_new_tokens - len(state.output_ids), policy.max_block)
+    chain = None
+    if SUFFIX in state.proposals and most > 1:  # free to look at: see it before choosing
+        chain = engine.suffix.propose([(state, most)])[0]
+    who, n = policy.plan(chain.confidence if chain is not None and len(chain.tokens) else None,
+                         engine.suffix.lookup_s, DFLASH in state.proposals)
+    if who == "suffix":
+        n = min(n, most)
+        plan = _Plan(state, n, SUFFIX)
+        plan.drafts, plan.confidence = chain.tokens[: n - 1], chain.confidence[: n - 1]
+        return plan
+    return _Plan(state, min(n, most), DFLASH if who == "dflash" else None)
+
+
+def _prefill_chunks(prefilling: list[DecodeState], budget: int | None) -> list[tuple[DecodeState, int]]:
+    """Prompt chunks for this step, first come first served within the budget."""
+    chunks = []
+    for state in prefilling:
+        left = len(state.prompt_ids) - state.prefilled
+        n = left if budget is None else min(left, budget)
+        if n <= 0:
+            break
+        chunks.append((state, n))
+        if budget is not None:
+            budget -= n
+    return chunks
+
+
+def _features(out, i: int, layers: tuple[int, ...], union: tuple[int, ...]):
+    """Row i's features of `layers`, from a forward that computed `union`."""
+    feats = out.features[i]
+    if feats is None or not layers or layers == union:
+        return feats
+    h = feats.shape[-1] // len(union)
+    return torch.cat([feats[:, union.index(j) * h : (union.index(j) + 1) * h] for j in layers], dim=-1)
+
+
+def step(engine, states: list[DecodeState], budget: int | None = None, min_chunk: int = 16) -> list[StepResult]:
+    """One step for every state given (none may be done). `budget`: the most tokens the
+    target forward may take (None: no limit); decoding rows come first, prefill chunks take
+    what is left, but at least `min_chunk` (or the budget, if smaller) so a prefill always
+    progresses."""
+    target, dflash = engine.target, engine.dflash
+    t_step = time.perf_counter()
+    decoding = [s for s in states if not s.prefilling]
+    prefilling = [s for s in states if s.prefilling]
+    results: dict[int, StepResult] = {}
+
+    # 1. Plan: what each decoding state drafts, priced for this batch (with the prefill
+    #    chunks it would share the forward with if every decoding state stepped plainly).
+    if any(s.policy is not None for s in decoding):
+        chunks = _prefill_chunks(prefilling, None if budget is None else max(budget - len(decoding), min(min_chunk, budget)))
+        prices = engine.prices(len(decoding), len(chunks), sum(n for _, n in chunks))
+        for state in decoding:
+            if state.policy is not None:
+                state.policy.price(prices)
+    plans = []
+    for state in decoding:
+        plan = _plan(state, engine)
+        if plan is None:
+            state.finish_reason = "context"
+            anchor = state.output_ids[-1]
+            results[id(state)] = StepResult(anchor, [], 0, anchor, [], 1, 1, "context")
+            continue
+        plans.append(plan)
+
+    # 2. Draft: one drafter pass for every state the drafter drafts for.
+    t = time.perf_counter()
+    drafting = [p for p in plans if p.proposer == DFLASH]
+    if drafting:
+        for p, d in zip(drafting, dflash.propose([(p.state, p.draft_len) for p in drafting])):
+            p.drafts, p.probs = d.tokens, d.probs
+            if p.state.policy is not None:
+                p.confidence = d.confidence
+                L = p.state.policy.verify_length(p.confidence)
+                p.drafts = p.drafts[: L - 1]
+                p.probs = p.probs[: L - 1] if p.probs is not None else None
+    draft_s = time.perf_counter() - t
+    engine.note_drafting(len(drafting))
+    decode_rows = sum(len(p.drafts) + 1 for p in plans)
+    chunks = _prefill_chunks(prefilling, None if budget is None else max(budget - decode_rows, min(min_chunk, budget)))
+
+    # 3. One target forward: every decoding state's [anchor, drafts], then prefill chunks.
+    t = time.perf_counter()
+    rows, layers = [], {}
+    for p in plans:
+        ids = [p.state.output_ids[-1]] + p.drafts.tolist()
+        rows.append(TargetRow(p.state.seq, ids, len(ids)))
+        layers[id(p.state)] = _layers(p.state, dflash)
+    for state, n in chunks:
+        last = state.prefilled + n == len(state.prompt_ids)
+        rows.append(TargetRow(state.seq, state.prompt_ids[state.prefilled : state.prefilled + n], 1 if last else 0))
+        layers[id(state)] = _layers(state, dflash)
+    union = tuple(dict.fromkeys(j for ls in layers.values() for j in ls))
+    out = target.forward_batch(rows, union) if rows else None
+    verify_s = time.perf_counter() - t
+
+    # 4. Per state: verify, roll back, commit (pure, per state).
+    for i, p in enumerate(plans):
+        state = p.state
+        t = time.perf_counter()
+        accepted, nxt = verify(out.logits[i], p.drafts.to(out.logits[i].device), p.probs, state)
+        start = state.length - 1
+        draft_list = p.drafts.tolist()
+        verify_len = len(draft_list) + 1
+        state.stats.record(draft_list, accepted, p.draft_len if p.proposer == DFLASH else 0, p.proposer)
+        if state.policy is not None:
+            if p.proposer == SUFFIX:
+                state.policy.observe_suffix(p.confidence, verify_len, accepted, engine.suffix.lookup_s)
+            else:
+                state.policy.observe(p.confidence, verify_len, accepted, p.draft_len)
+        # The anchor and the kept drafts are now in the target's cache; their features are
+        # what the drafter sees next.
+        target.rollback(state.seq, start + accepted + 1)
+        feats = _features(out, i, layers[id(state)], union)
+        if DFLASH in state.proposals:
+            dflash.observe(state, feats[: accepted + 1] if feats is not None else None)
+        committed = commit(state, draft_list[:accepted] + [nxt])
+        if p.proposer == DFLASH:
+            state.stats.draft_s += draft_s
+        state.stats.verify_s += verify_s + time.perf_counter() - t
+        results[id(state)] = StepResult(p.anchor, draft_list, accepted, nxt, committed, p.draft_len, verify_len,
+                                        state.finish_reason, proposer=p.proposer)
+    for j, (state, n) in enumerate(chunks):
+        i = len(plans) + j
+        if DFLASH in state.proposals:
+            dflash.observe(state, _features(out, i, layers[id(state)], union))
+        state.prefilled += n
+        committed = []
+        if not state.prefilling:  # the prompt is cached: its last row gives the first token
+            committed = commit(state, [first_token(out.logits[i][-1], state)])
+        results[id(state)] = StepResult(-1, [], 0, committed[0] if committed else None, committed, 0, 0,
+                                        state.finish_reason, prefilled=n)
+
+    wall = time.perf_counter() - t_step
+    for state in states:
+        if id(state) not in results:  # a prefill that got no room this step
+            results[id(state)] = StepResult(-1, [], 0, None, [], 0, 0, None)
+        elif results[id(state)].is_prefill:
+            state.stats.prefill_s += wall
+        else:
+            state.stats.decode_s += wall
+    return [results[id(s)] for s in states]
+
+
+def _layers(state: DecodeState, dflash) -> tuple[int, ...]:
+    return dflash.layers_of(state) if DFLASH in state.proposals else ()
