@@ -108,6 +108,19 @@ def run_level(caller, requests: list[dict], concurrency: int) -> dict:
             "errors": len(errors), "error_samples": errors[:3], "_results": results}
 
 
+def combine(rounds: list[dict]) -> dict:
+    """One level's row over its rounds: the median of each figure; every mismatch and error."""
+    out = dict(rounds[len(rounds) // 2])
+    for key in ("tokens_per_s", "p50_latency_s", "p95_latency_s", "mean_latency_s", "wall_s"):
+        out[key] = statistics.median(r[key] for r in rounds)
+    out["mismatches_vs_solo"] = sum(r["mismatches_vs_solo"] for r in rounds)
+    out["differences"] = [d for r in rounds for d in r["differences"]]
+    out["errors"] = sum(r["errors"] for r in rounds)
+    out["rounds"] = [{k: r[k] for k in ("tokens_per_s", "p50_latency_s", "p95_latency_s", "wall_s")} for r in rounds]
+    out["_results"] = [x for r in rounds for x in r["_results"]]
+    return out
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -216,6 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--socket", help="a running worker's socket (default: start one)")
     ap.add_argument("--via", choices=["socket", "sql"], default="socket")
     ap.add_argument("--dsn", help="libpq DSN of a database with the extension (--via sql)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="times each level runs, alternating the order of levels; the table gives medians")
     ap.add_argument("--max-active", type=int, default=64, help="the started worker's batch (default 64)")
     ap.add_argument("--threads", type=int, help="the started worker's torch threads")
     ap.add_argument("--device", help="the started worker's device (default cpu)")
@@ -248,19 +263,24 @@ def main(argv=None) -> int:
                 caller = SocketCaller(sock)
             caller(dict(requests[0], max_new_tokens=4))  # warm up
             solo = None
-            runs = []
-            for c in ([1] if 1 not in levels else []) + levels:
-                run = run_level(caller, requests, c)
-                if c == 1 and solo is None:
-                    solo = run["_results"]
-                diffs = compare(solo, run["_results"])
-                run["mismatches_vs_solo"] = len(diffs)
-                run["differences"] = diffs
-                if c in levels:
-                    runs.append(run)
-                print(f"concurrency {c}: {run['tokens_per_s']:.1f} tok/s, p50 {run['p50_latency_s']:.2f} s, "
-                      f"p95 {run['p95_latency_s']:.2f} s, {len(diffs)} mismatches, {run['errors']} errors",
-                      file=sys.stderr, flush=True)
+            rounds: dict[int, list[dict]] = {c: [] for c in levels}
+            for r in range(args.rounds):
+                # Every round runs every level, in turn forward and back, so a machine whose
+                # speed drifts during the run slows all levels alike.
+                order = ([1] if solo is None and 1 not in levels else []) + (levels if r % 2 == 0 else levels[::-1])
+                for c in order:
+                    run = run_level(caller, requests, c)
+                    if c == 1 and solo is None:
+                        solo = run["_results"]
+                    diffs = compare(solo, run["_results"])
+                    run["mismatches_vs_solo"] = len(diffs)
+                    run["differences"] = diffs
+                    if c in levels:
+                        rounds[c].append(run)
+                    print(f"round {r + 1}, concurrency {c}: {run['tokens_per_s']:.1f} tok/s, "
+                          f"p50 {run['p50_latency_s']:.2f} s, p95 {run['p95_latency_s']:.2f} s, {len(diffs)} mismatches, "
+                          f"{run['errors']} errors", file=sys.stderr, flush=True)
+            runs = [combine(rounds[c]) for c in levels]
         finally:
             if restore is not None:
                 restore()

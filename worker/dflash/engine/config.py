@@ -244,3 +244,9 @@ class PolicyConfig:
     # (small-M matmul kernels), and the first draft positions decide whether drafting pays.
     probe_len: int = 3
     warmup_outcomes: int = 4  # drafted steps verify everything until this many outcomes are calibrated
+    # The suffix proposer's chains: before any outcome, a chain position is trusted at this
+    # share of its match-count confidence (a count of one earlier occurrence says little),
+    # with suffix_strength pseudo-outcomes; the engine's pooled outcomes of recent requests
+    # (at most max_prior_strength of them per bin) start each new request's calibration.
+    suffix_trust: float = 0.5
+    suffix_strength: float = 4.0

@@ -49,6 +49,7 @@ class Prices:
     verify_s: tuple[float, ...]
     draft_s: tuple[float, ...]
     plain_rate: float
+    batch: int = 1  # requests decoding in the step
 
     def step_s(self, draft_len: int, verify_len: int) -> float:
         return self.draft_s[draft_len - 1] + self.verify_s[verify_len - 1]
@@ -140,7 +141,7 @@ class CostCurve:
         plain = 1.0 / verify[0]  # each of `decoding` requests gets one token for its share
         if len(self._prices) > 4096:
             self._prices.clear()
-        got = self._prices[key] = Prices(verify, draft, plain)
+        got = self._prices[key] = Prices(verify, draft, plain, max(decoding, 1))
         return got
 
     # --- reporting -------------------------------------------------------------------------

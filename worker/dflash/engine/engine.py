@@ -164,7 +164,7 @@ class Engine:
         self.tokenizer = target.tokenizer
         self.dflash = DFlashProposer(target, drafter, drafter_name, drafter_sha256, self.draft_dtype)
         self.workloads = WorkloadMemory()
-        self.suffix = SuffixProposer(self.workloads)
+        self.suffix = SuffixProposer(self.workloads, policy_config.calibration_bins)
         self.policy_config = policy_config
         self.cost_dir = cost_dir
         self._cost_curve = cost_curve
@@ -362,7 +362,9 @@ class Engine:
         block = fixed if fixed is not None else self.block_size
         policy = None
         if fixed is None and block > 1:
-            policy = BlockPolicy(self.cost_curve, block, self.prior_for(req), self.policy_config)
+            # A seeded sample starts from defaults only, so the same seed gives the same output.
+            suffix_prior = self.suffix.prior(self.policy_config.max_prior_strength) if req.seed is None else None
+            policy = BlockPolicy(self.cost_curve, block, self.prior_for(req), self.policy_config, suffix_prior)
         gen = None
         if not params.greedy:
             gen = torch.Generator(device=self.target.device)

@@ -83,7 +83,8 @@ class BlockPolicy:
     forward plus what its extra rows add, and time is worth the batch's rate, so
     speculation backs off under load where verifying extra rows no longer pays."""
 
-    def __init__(self, costs: CostCurve, max_block: int, prior: Prior, cfg: PolicyConfig):
+    def __init__(self, costs: CostCurve, max_block: int, prior: Prior, cfg: PolicyConfig,
+                 suffix_prior: tuple[list[float], list[float]] | None = None):
         self.cfg = cfg
         self.prices: Prices = costs.solo()
         self.max_block = min(max_block, costs.max_block)
@@ -110,6 +111,7 @@ class BlockPolicy:
         # drafter's counts or calibration.
         self.s_cal_acc = [0] * cfg.calibration_bins
         self.s_cal_n = [0] * cfg.calibration_bins
+        self.s_prior = suffix_prior or ([0.0] * cfg.calibration_bins, [0.0] * cfg.calibration_bins)
         if self.max_block > 1 and prior.judged and prior.judged[0] >= cfg.informed_prior_steps:
             values = self.draft_values()
             if max(range(len(values)), key=lambda i: (values[i], -i)) == 0:
@@ -231,7 +233,9 @@ class BlockPolicy:
                 best, value = ("suffix", L), v
         if dflash:
             D = self.draft_length()
-            due = self.probing and self.plain_run >= self.probe_every  # the drafter's probe: it must learn too
+            # The drafter's due probe (it must learn too), the rarer the more requests share the
+            # step: a probe's drafter pass delays all of them.
+            due = self.probing and self.plain_run >= self.probe_every * self.prices.batch
             if D > 1 and (due or (self._draft_values is not None and self._draft_values[D - 1] > value)):
                 best = ("dflash", D)
             elif D > 1:
@@ -241,11 +245,13 @@ class BlockPolicy:
     def suffix_verify(self, confidences: list[float]) -> tuple[int, float]:
         """(L, value) for a suffix chain: its confidences calibrated by this request's
         outcomes of suffix drafts at similar confidence."""
-        k = self.cfg.calibration_strength
+        cfg = self.cfg
+        k, trust = cfg.suffix_strength, cfg.suffix_trust
+        pa, pn = self.s_prior
         acc = []
         for c in confidences[: self.max_block - 1]:
             b = self._bin(c)
-            acc.append((self.s_cal_acc[b] + k * c) / (self.s_cal_n[b] + k))
+            acc.append((self.s_cal_acc[b] + pa[b] + k * trust * c) / (self.s_cal_n[b] + pn[b] + k))
         values = self._verify_values(acc + [0.0] * (self.max_block - 1 - len(acc)), self.rate)[: len(acc) + 1]
         L = max(range(len(values)), key=lambda i: (values[i], -i)) + 1
         return L, values[L - 1]

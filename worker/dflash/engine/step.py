@@ -137,16 +137,17 @@ def step(engine, states: list[DecodeState], budget: int | None = None, min_chunk
     prefilling = [s for s in states if s.prefilling]
     results: dict[int, StepResult] = {}
 
-    # 1. Plan: what each decoding state drafts, priced for this batch (with the prefill
-    #    chunks it would share the forward with if every decoding state stepped plainly).
-    if any(s.policy is not None for s in decoding):
+    # 1. Plan: what each decoding state drafts, priced for this batch: the prefill chunks it
+    #    shares the forward with, and the extra rows the states planned before it take, so
+    #    each state pays what its own rows add to the step (not what they would add alone).
+    auto = any(s.policy is not None for s in decoding)
+    if auto:
         chunks = _prefill_chunks(prefilling, None if budget is None else max(budget - len(decoding), min(min_chunk, budget)))
-        prices = engine.prices(len(decoding), len(chunks), sum(n for _, n in chunks))
-        for state in decoding:
-            if state.policy is not None:
-                state.policy.price(prices)
-    plans = []
+        prefill_tokens = sum(n for _, n in chunks)
+    plans, extra = [], 0
     for state in decoding:
+        if state.policy is not None:
+            state.policy.price(engine.prices(len(decoding), len(chunks), prefill_tokens + extra))
         plan = _plan(state, engine)
         if plan is None:
             state.finish_reason = "context"
@@ -154,6 +155,7 @@ def step(engine, states: list[DecodeState], budget: int | None = None, min_chunk
             results[id(state)] = StepResult(anchor, [], 0, anchor, [], 1, 1, "context")
             continue
         plans.append(plan)
+        extra += plan.draft_len - 1
 
     # 2. Draft: one drafter pass for every state the drafter drafts for.
     t = time.perf_counter()
@@ -198,6 +200,7 @@ def step(engine, states: list[DecodeState], budget: int | None = None, min_chunk
         if state.policy is not None:
             if p.proposer == SUFFIX:
                 state.policy.observe_suffix(p.confidence, verify_len, accepted, engine.suffix.lookup_s)
+                engine.suffix.learn(p.confidence, verify_len, accepted)
             else:
                 state.policy.observe(p.confidence, verify_len, accepted, p.draft_len)
         # The anchor and the kept drafts are now in the target's cache; their features are

@@ -21,6 +21,8 @@ from dflash.engine.proposers.suffix_index import SuffixIndex, propose_from
 NAME = "suffix"
 SELF = 0  # the document id of the request's own tokens in its index
 MAX_CONTEXT = 32  # the longest suffix looked up
+MIN_MATCH = 2  # a one-token match continues wherever that token did: no evidence
+SPEC_FACTOR = 2  # a chain is at most this many times as long as the match it continues
 
 
 @dataclass
@@ -34,10 +36,14 @@ class SuffixProposer:
     name = NAME
     layer_ids: tuple[int, ...] = ()
 
-    def __init__(self, workloads):
+    def __init__(self, workloads, bins: int = 10):
         self.workloads = workloads
         self.lookup_s = 2e-4  # a running mean of one proposal's price, seconds
         self.lookups = 0
+        # Outcomes of its drafts by confidence bin, pooled over the engine's requests (decayed,
+        # so they follow the workload): the start of each new request's calibration.
+        self.cal_acc = [0.0] * bins
+        self.cal_n = [0.0] * bins
 
     def start(self, state) -> SuffixState:
         own = SuffixIndex()
@@ -70,10 +76,25 @@ class SuffixProposer:
             context = state.output_ids[-MAX_CONTEXT:] if out_n >= MAX_CONTEXT else (
                 state.prompt_ids[-(MAX_CONTEXT - out_n):] + state.output_ids)
             indexes = [ps.own] if ps.workload is None else [ps.own, ps.workload.index]
-            tokens, confidence, _ = propose_from(indexes, context, D - 1, max_context=MAX_CONTEXT)
+            tokens, confidence, match = propose_from(indexes, context, D - 1, min_match=MIN_MATCH,
+                                                     max_context=MAX_CONTEXT)
+            tokens, confidence = tokens[: SPEC_FACTOR * match], confidence[: SPEC_FACTOR * match]
             self._price(time.perf_counter() - t)
             out.append(Draft(torch.tensor(tokens, dtype=torch.long), None, list(confidence)))
         return out
+
+    def learn(self, confidences: list[float], verify_len: int, accepted: int, decay: float = 0.999) -> None:
+        """A suffix-drafted step's outcome, for the pooled calibration."""
+        bins = len(self.cal_n)
+        for i in range(min(accepted + 1, verify_len - 1)):
+            b = min(int(confidences[i] * bins), bins - 1)
+            self.cal_n[b] = self.cal_n[b] * decay + 1
+            self.cal_acc[b] = self.cal_acc[b] * decay + (i < accepted)
+
+    def prior(self, strength: float) -> tuple[list[float], list[float]]:
+        """The pooled calibration, shrunk to at most `strength` outcomes per bin."""
+        scale = [min(1.0, strength / n) if n > 0 else 0.0 for n in self.cal_n]
+        return [a * s for a, s in zip(self.cal_acc, scale)], [n * s for n, s in zip(self.cal_n, scale)]
 
     def _price(self, seconds: float) -> None:
         self.lookups += 1
