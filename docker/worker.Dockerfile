@@ -36,7 +36,7 @@ RUN /opt/venv/bin/pip install -q --no-cache-dir --no-index --find-links /wheels 
 # Only the modules the conversion needs, so that other code changes keep this layer cached.
 COPY worker/dflash/__init__.py worker/dflash/errors.py worker/dflash/models.py /build/dflash/
 RUN cd /build && PG_DFLASH_CACHE=/models TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 /opt/venv/bin/python -c \
-    "from dflash.models import ensure_default_target; print(ensure_default_target())" \
+    "from dflash.model_files import ensure_default_target; print(ensure_default_target())" \
  && chmod -R a+rX,go-w /models
 
 # --- the worker package itself (the layers a code change rebuilds) ---------------------------

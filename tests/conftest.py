@@ -34,7 +34,7 @@ def shared() -> Path:
 
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
-    from dflash.models import ensure_default_target
+    from dflash.model_files import ensure_default_target
 
     return ensure_default_target(quiet=True)
 
@@ -48,7 +48,7 @@ def smol_target(smol_dir):
 
 @pytest.fixture(scope="session")
 def zlab_engine(smol_target, shared):
-    from dflash.engine.drafter import load_drafter
+    from dflash.loading import load_drafter
     from dflash.engine.engine import Engine
 
     return Engine(smol_target, load_drafter(shared / "fixtures/zlab-compat/drafter"), "zlab-compat",
@@ -102,7 +102,7 @@ def make_tiny_target(vocab: int = TINY_VOCAB, context: int = 96, seed: int = 0):
 
 
 def tiny_drafter_config(vocab: int = TINY_VOCAB, block_size: int = 8):
-    from dflash.engine.config import DrafterConfig
+    from dflash.engine.drafter_config import DrafterConfig
 
     return DrafterConfig.from_dict(
         {

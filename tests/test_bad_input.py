@@ -5,7 +5,8 @@ import shutil
 
 import pytest
 
-from dflash.engine.drafter import init_random_drafter, load_drafter, save_drafter
+from dflash.engine.drafter import init_random_drafter, save_drafter
+from dflash.loading import load_drafter
 from dflash.engine.engine import Engine, GenerationRequest, check_compatible
 from dflash.errors import DFlashError
 from tests.conftest import TINY_VOCAB, tiny_drafter_config
@@ -48,7 +49,7 @@ def test_incompatible_drafters_are_refused(tiny_engine):
         ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": [0, 4]}}, "outside the target"),
         ({"dflash_config": {"mask_token_id": TINY_VOCAB, "target_layer_ids": [0, 2]}}, "mask token"),
     ]
-    from dflash.engine.config import DrafterConfig
+    from dflash.engine.drafter_config import DrafterConfig
 
     for change, words in cases:
         with pytest.raises(DFlashError, match=words):

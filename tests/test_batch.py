@@ -153,7 +153,7 @@ def test_under_load_speculation_backs_off():
     """Alone, verifying 4 costs 1.6 plain steps and good drafts pay; in a batch of 8 each
     extra row delays a step that commits eight tokens, so time is priced at the batch's rate
     and the same acceptance no longer pays."""
-    from dflash.engine.config import PolicyConfig
+    from dflash.engine.knobs import PolicyConfig
     from dflash.engine.policy import BlockPolicy, Prior
 
     curve, cfg = _loaded_curve(), PolicyConfig()

@@ -68,7 +68,7 @@ def test_unknown_method_or_missing_assistant(tiny_text_engine):
 def test_assisted_ar_with_a_stored_assistant(tiny_text_engine, tmp_path, monkeypatch):
     """A stored assistant (layers only) is materialised once with the target's embedding
     and then runs transformers' assisted generation, greedy-identical to ar-hf."""
-    from dflash.models import assistant_dir
+    from dflash.train.assistant import assistant_dir
     from dflash.train.assistant import build_assistant, save_assistant
 
     monkeypatch.setenv("PG_DFLASH_CACHE", str(tmp_path / "cache"))

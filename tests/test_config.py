@@ -1,6 +1,7 @@
 import pytest
 
-from dflash.engine.config import DrafterConfig, SamplingParams, build_target_layer_ids
+from dflash.engine.drafter_config import DrafterConfig, build_target_layer_ids
+from dflash.engine.sampling import SamplingParams
 from dflash.errors import DFlashError
 
 

@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 from dflash.cli import main
 from dflash.convert import convert_drafter
 from dflash.convert.gguf_file import CONFIG_KEY, Vocabulary, read_gguf_drafter, write_gguf_drafter
-from dflash.engine.drafter import init_random_drafter, load_drafter, read_drafter_folder, save_drafter
+from dflash.engine.drafter import init_random_drafter, read_drafter_folder, save_drafter
+from dflash.loading import load_drafter
 from dflash.errors import DFlashError
-from dflash.models import GGUF_FILE, SHIPPED_DRAFTER, _gguf_source
+from dflash.model_files import GGUF_FILE, SHIPPED_DRAFTER, _gguf_source, default_target_gguf
 from tests.conftest import REPO, TINY_VOCAB, tiny_drafter_config
 
 GOLDEN = REPO / "tests" / "golden" / "dflash_gguf_layout.json"
@@ -86,7 +87,7 @@ def test_layout_is_llama_cpps(tmp_path):
     The tokenizer keys are the target GGUF's, copied verbatim."""
     golden = json.loads(GOLDEN.read_text())
     target = gguf.GGUFReader(_gguf_source() / GGUF_FILE)
-    ours = gguf.GGUFReader(convert_drafter(SHIPPED_DRAFTER, "gguf", tmp_path / "d.gguf"))
+    ours = gguf.GGUFReader(convert_drafter(SHIPPED_DRAFTER, "gguf", tmp_path / "d.gguf", target=default_target_gguf()))
     keys = {k: f for k, f in ours.fields.items() if not k.startswith("GGUF.")}
     skip = set(golden["provenance_keys"]) | {CONFIG_KEY}
     for name, want in golden["keys"].items():
@@ -112,7 +113,7 @@ def test_published_drafter_round_trips_and_drafts_like_the_reference(capsys, sha
     bit-identical, and `dflash generate --drafter X.gguf` drafts every step as the reference
     implementation did."""
     folder = shared / "fixtures/zlab-compat/drafter"
-    path = convert_drafter(folder, "gguf", tmp_path / "zlab.gguf")
+    path = convert_drafter(folder, "gguf", tmp_path / "zlab.gguf", target=default_target_gguf())
     state = read_gguf_drafter(path)[1]
     assert_same_tensors({k: t.to(torch.bfloat16) for k, t in state.items()}, load_file(str(folder / "model.safetensors")))
     rec = json.loads((shared / "fixtures/zlab-compat/golden.json").read_text())["records"][2]

@@ -62,7 +62,7 @@ def test_trained_drafter_exercises_multi_token_acceptance(quick_engine, hf_greed
 def test_drafting_in_bf16_keeps_the_targets_output(smol_target, shared, hf_greedy, block_size):
     """Drafts are proposals: a drafter computing in bfloat16 (the CPU default where bf16 is
     native) proposes different tokens at times, but the output is still the target's."""
-    from dflash.engine.drafter import load_drafter
+    from dflash.loading import load_drafter
     from dflash.engine.engine import Engine
     from tests.conftest import cpu_like_costs
 

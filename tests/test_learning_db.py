@@ -24,7 +24,8 @@ from psycopg import errors
 from dflash.engine.drafter import init_random_drafter, save_drafter
 from dflash.engine.engine import Engine
 from dflash.engine.target.hf import HFTarget
-from dflash.engine.versions import label, load_versioned
+from dflash.engine.versions import label
+from dflash.loading import load_versioned
 from dflash.errors import DFlashError
 from dflash.serve.server import Worker
 from dflash.train import from_database

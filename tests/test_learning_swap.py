@@ -12,7 +12,8 @@ import torch
 
 from dflash.engine.drafter import init_random_drafter, save_drafter
 from dflash.engine.engine import Engine, GenerationRequest
-from dflash.engine.versions import digest, label, load_versioned, model_digest
+from dflash.engine.versions import digest, label, model_digest
+from dflash.loading import load_versioned
 from dflash.errors import DFlashError
 from dflash.serve.client import Client, WorkerError
 from dflash.serve.server import Worker
@@ -51,7 +52,7 @@ def drafters(tmp_path_factory):
     save_drafter(_copy_drafter(), root / "copy")
     cfg = tiny_drafter_config(vocab=VOCAB).to_dict()
     cfg["hidden_size"], cfg["head_dim"] = 64, 16
-    from dflash.engine.config import DrafterConfig
+    from dflash.engine.drafter_config import DrafterConfig
 
     save_drafter(init_random_drafter(DrafterConfig.from_dict(cfg)), root / "wide")
     (root / "corrupt").mkdir()
@@ -112,7 +113,7 @@ def test_a_drafter_of_another_shape_drops_the_cost_curve():
     engine = Engine(_copy_target(), _random_drafter(), "rand", cost_curve=cpu_like_costs())
     cfg = tiny_drafter_config(vocab=VOCAB).to_dict()
     cfg["num_hidden_layers"] = 2
-    from dflash.engine.config import DrafterConfig
+    from dflash.engine.drafter_config import DrafterConfig
 
     assert engine.swap_drafter(init_random_drafter(DrafterConfig.from_dict(cfg)), "deeper")["cost_curve_kept"] is False
     assert engine._cost_curve is None  # measured again on next use

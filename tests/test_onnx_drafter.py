@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from dflash.cli import main
 from dflash.convert import convert_drafter
-from dflash.engine.drafter import load_drafter, read_drafter_folder
+from dflash.engine.drafter import read_drafter_folder
+from dflash.loading import load_drafter
 from dflash.engine.engine import Engine, GenerationRequest
 from dflash.engine.onnx_drafter import OnnxDrafter
 from dflash.engine.versions import digest

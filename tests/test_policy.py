@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dflash.engine.config import PolicyConfig
+from dflash.engine.knobs import PolicyConfig
 from dflash.engine.costs import CostCurve, cache_path, load_or_measure
 from dflash.engine.engine import Engine, GenerationRequest
 from dflash.engine.policy import BlockPolicy, Prior, expected_tokens
@@ -149,7 +149,7 @@ def test_auto_sampling_follows_the_target_law(cpu_like_engine):
         lengths.update(len(s.draft_ids) + 1 for s in res.stats.steps)
     assert lengths - {1}, "auto never verified a draft: the test would not test it"
     # The exact law, from the target's own forward passes.
-    from dflash.engine.config import SamplingParams
+    from dflash.engine.sampling import SamplingParams
     from dflash.engine.sampling import warp
 
     sp = SamplingParams(**params)

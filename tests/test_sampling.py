@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from dflash.engine.config import SamplingParams
+from dflash.engine.sampling import SamplingParams
 from dflash.engine.sampling import sample, verify_greedy, verify_probabilistic, verify_strict, warp
 
 V, K, N = 4, 2, 12000

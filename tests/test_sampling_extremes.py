@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash.engine.config import SamplingParams
+from dflash.engine.sampling import SamplingParams
 from dflash.engine.engine import GenerationRequest
 from dflash.engine.sampling import sample, verify_probabilistic, verify_strict, warp
 from dflash.errors import DFlashError

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from dflash.engine.drafter import load_drafter
+from dflash.loading import load_drafter
 from dflash.engine.engine import Engine, GenerationRequest
 from dflash.train.data import collect_prompts, excluded_prompts, load_records
 from dflash.train.features import FeatureCache

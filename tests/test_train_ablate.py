@@ -33,11 +33,9 @@ def _fake_train(calls, tau_after):
 
 
 def test_arms_share_data_and_budget_and_are_scored_per_cpu_hour(tmp_path, monkeypatch, capsys):
-    import dflash.cli
-
     calls = []
     tau_after = {"dpace slots 1-4": 1.46, "decay slots 1-16": 1.43}
-    monkeypatch.setattr(dflash.cli, "main", _fake_train(calls, tau_after))
+    monkeypatch.setattr(ablate, "run_dflash", _fake_train(calls, tau_after))
     arms = ["--arm", "dpace slots 1-4=--weighting dpace --loss-positions 4",
             "--arm", "decay slots 1-16=--weighting decay"]
     ablate.main(["--out", str(tmp_path), "--init-from", "D", "--cpu-minutes", "30", "--sequences", "784", *arms])

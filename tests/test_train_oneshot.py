@@ -60,7 +60,7 @@ def test_packing_keeps_each_prompts_first_answer(tmp_path):
 def test_oneshot_dry_run_on_cpu_with_a_tiny_target(tmp_path, smol_dir):
     from transformers import AutoTokenizer
 
-    from dflash.engine.drafter import load_drafter
+    from dflash.loading import load_drafter
     from dflash.train import oneshot
     from dflash.train.data import regenerate
     from dflash.train.sources import topic_prompts

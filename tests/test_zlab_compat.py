@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash.engine.drafter import load_drafter
+from dflash.loading import load_drafter
 from dflash.engine.engine import GenerationRequest
 
 

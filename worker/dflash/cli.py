@@ -1,4 +1,4 @@
-"""The `dflash` command: argument parsing only; the work lives in the engine and models modules."""
+"""The `dflash` command: argument parsing only; the work lives in the modules it calls."""
 
 from __future__ import annotations
 
@@ -7,30 +7,14 @@ import json
 import sys
 
 from dflash.errors import DFlashError
-
-RANDOM_DRAFTER_WARNING = (
-    "warning: no trained default drafter ships yet; using a random-weight drafter. "
-    "Output is exactly the target's, but drafts are rarely accepted (tau ~ 1). For tests only."
-)
-
+from dflash.loading import RANDOM_DRAFTER_WARNING, add_model_args
+from dflash.loading import engine_from_args
 
 def _ids(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"input ids must be comma-separated integers, got '{text}'") from None
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="Hugging Face model folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", help="DFlash drafter: folder in the published layout, .gguf (llama.cpp's layout) or "
-                   ".onnx (run by ONNX Runtime) (default: the project's drafter)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="dtype the drafter computes in (drafts are proposals: output is unchanged); auto: bfloat16 "
-                        "on a CPU with native bf16 when the target runs float32, else the target's dtype")
 
 
 def add_generate_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -64,23 +48,8 @@ def request_from_args(args):
                              **{o.name: getattr(args, o.name) for o in GENERATION_OPTIONS})
 
 
-def load_engine(args):
-    import torch
-
-    from dflash.engine.engine import Engine
-    from dflash.models import cost_dir, resolve_models
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, drafter, is_random = resolve_models(args.target, args.drafter)
-    if is_random:
-        print(RANDOM_DRAFTER_WARNING, file=sys.stderr)
-    return Engine.load(target, drafter, device=args.device, dtype=args.dtype, random_drafter=is_random,
-                       cost_dir=cost_dir(), draft_dtype=args.draft_dtype)
-
-
 def cmd_generate(args) -> int:
-    engine = load_engine(args)
+    engine = engine_from_args(args)
     result = engine.generate(request_from_args(args))
     if args.json:
         out = result.to_dict()
@@ -100,7 +69,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from dflash.models import ensure_default_drafter, ensure_default_target
+    from dflash.model_files import ensure_default_drafter, ensure_default_target
 
     target = ensure_default_target()
     drafter, is_random = ensure_default_drafter(target)
@@ -116,11 +85,11 @@ def cmd_bench(args) -> int:
 
     from dflash.bench.run import markdown, run_bench, write_report
 
-    from dflash.models import assistant_dir
+    from dflash.train.assistant import assistant_dir
 
     from dflash.bench.llamacpp import peer_for
 
-    engine = load_engine(args)
+    engine = engine_from_args(args)
     methods = args.methods.split(",")
     peer = peer_for(args.target, args.drafter, methods, engine.block_size)
     assistant = assistant_dir(args.assistant, engine.target.model, args.target is None) if (
@@ -144,9 +113,9 @@ def cmd_serve(args) -> int:
     from dflash.serve.server import Worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from dflash.models import resolve_models
+    from dflash.model_files import resolve_models
 
-    engine = load_engine(args)
+    engine = engine_from_args(args)
     target_dir, drafter_dir, _ = resolve_models(args.target, args.drafter, quiet=True)
     embedder = None
     if not args.no_embedder:
@@ -230,7 +199,12 @@ def cmd_client(args) -> int:
 def cmd_convert(args) -> int:
     from dflash.convert import convert_drafter
 
-    out = convert_drafter(args.drafter, args.to, args.out, target=args.target, outtype=args.outtype)
+    target = args.target
+    if target is None and args.to == "gguf":  # its vocabulary: the embedded default target's
+        from dflash.model_files import default_target_gguf
+
+        target = default_target_gguf()
+    out = convert_drafter(args.drafter, args.to, args.out, target=target, outtype=args.outtype)
     print(out)
     return 0
 
@@ -282,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse the generations journaled in OUT/samples.jsonl by an interrupted run with the same settings")
     p.set_defaults(func=cmd_bench)
 
-    from dflash.engine.config import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
+    from dflash.engine.knobs import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
     from dflash.serve.protocol import DEFAULT_MAX_FRAME, DEFAULT_SOCKET
 
     p = sub.add_parser("serve", help="run the worker: load the models once, serve requests on a Unix socket")
@@ -306,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-s", type=float, default=1.0, help="queue poll interval besides LISTEN/NOTIFY")
     p.add_argument("--drafter-root", action="append", default=[],
                    help="reload_drafter may load drafter folders under this directory (repeatable)")
-    from dflash.train.db_args import add_learn_arguments
+    from dflash.serve.learn import add_learn_arguments
 
     add_learn_arguments(p)
     p.set_defaults(func=cmd_serve)

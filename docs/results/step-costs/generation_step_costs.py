@@ -20,8 +20,9 @@ import sys
 
 import torch
 
-from dflash.engine.engine import Engine, GenerationRequest
-from dflash.models import resolve_models
+from dflash.engine.engine import GenerationRequest
+from dflash.loading import load_engine
+from dflash.model_files import resolve_models
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and tests."
 LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -32,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(threads)
     target, drafter, _ = resolve_models(None, None)
     dtype = os.environ.get("DRAFT_DTYPE")
-    engine = Engine.load(target, drafter, **({"draft_dtype": dtype} if dtype else {}))
+    engine = load_engine(target, drafter, **({"draft_dtype": dtype} if dtype else {}))
     rows = {L: {"step": [], "draft": [], "verify": []} for L in LENGTHS}
     for _ in range(repeats):
         for L in LENGTHS:

@@ -75,7 +75,7 @@ def engine_replay(drafters: dict, prompts: int, max_new: int, block: int) -> dic
     from dflash.suites import load_suite
     from dflash.engine.engine import Engine, GenerationRequest
     from dflash.engine.target.hf import HFTarget
-    from dflash.models import ensure_default_target
+    from dflash.model_files import ensure_default_target
 
     target = HFTarget.from_pretrained(ensure_default_target(quiet=True))
     engines = {name: Engine(target, d.drafter if isinstance(d, InDtype) else d, name,
@@ -115,8 +115,8 @@ def summary(ts: list[float]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from dflash.engine.costs import cpu_name
     from dflash.convert import convert_drafter
-    from dflash.engine.drafter import load_drafter
-    from dflash.models import default_drafter_dir
+    from dflash.loading import load_drafter
+    from dflash.model_files import default_drafter_dir
 
     ap = argparse.ArgumentParser(prog="python -m dflash.bench.drafter_runtime", description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafter", help="drafter folder (default: the shipped one)")

@@ -47,7 +47,7 @@ def run_check(args, sizes: dict) -> dict:
 
     from dflash.bench import load, step_profile
     from dflash.bench.run import markdown, run_bench, write_report
-    from dflash.cli import load_engine
+    from dflash.loading import engine_from_args as load_engine
 
     out = Path(args.out)
     report = {"sizes": sizes, "machine": machine(sizes["device"]), "parts": {}}

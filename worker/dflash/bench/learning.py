@@ -36,9 +36,9 @@ import psycopg
 import torch
 
 from dflash.bench.workload import rounds as workload_rounds
-from dflash.engine.engine import Engine
+from dflash.loading import load_engine
 from dflash.localpg import start_local_cluster
-from dflash.models import resolve_models
+from dflash.model_files import resolve_models
 from dflash.serve.server import Worker
 from dflash.train import from_database
 from dflash.train.from_database import Filters, Settings
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     block = args.block_size or None
 
     target_dir, drafter_dir, _ = resolve_models(None, None, quiet=True)
-    engine = Engine.load(target_dir, drafter_dir)
+    engine = load_engine(target_dir, drafter_dir)
     prompts = workload_rounds(args.rounds + 1, args.prompts_per_round, args.seed)
     server = start_local_cluster()
     sock = server.socket_dir / "worker.sock"

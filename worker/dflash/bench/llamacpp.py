@@ -61,7 +61,7 @@ ACCEPTED_LINE = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
 
 
 def home() -> Path:
-    from dflash.models import cache_dir
+    from dflash.model_files import cache_dir
 
     return cache_dir() / "llama.cpp" / VERSION
 
@@ -176,7 +176,7 @@ def llamacpp_convert(model_dir: Path, out: Path, outtype: str, target_dir: Path 
 
 def target_gguf(target_dir: Path, fmt: str) -> Path:
     """The target in weight format `fmt`, converted once into the cache."""
-    from dflash.models import DEFAULT_TARGET_NAME, GGUF_FILE, _gguf_source
+    from dflash.model_files import DEFAULT_TARGET_NAME, GGUF_FILE, _gguf_source
 
     if fmt == "q4_1":
         if target_dir.name != DEFAULT_TARGET_NAME:
@@ -335,7 +335,7 @@ def peer_for(target: str | None, drafter: str | None, methods: list[str], block_
         return None
     import torch
 
-    from dflash.models import resolve_models
+    from dflash.model_files import resolve_models
 
     target_dir, drafter_path, _ = resolve_models(target, drafter, quiet=True)
     return LlamaCppPeer(target_dir, drafter_path, torch.get_num_threads(), block_size)

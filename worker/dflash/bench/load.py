@@ -148,7 +148,7 @@ def top2_gaps(diffs: list[dict], target_dir: str | None) -> None:
     import torch
 
     from dflash.engine.target.hf import HFTarget
-    from dflash.models import ensure_default_target
+    from dflash.model_files import ensure_default_target
 
     target = HFTarget.from_pretrained(target_dir or ensure_default_target(quiet=True))
     for d in diffs:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -192,9 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     if needed:
         ap.error(f"--methods must include {', '.join(sorted(needed))} (the checks compare them)")
 
-    from dflash.cli import main as dflash_main
     from dflash.errors import DFlashError
-    from dflash.models import ensure_default_drafter, ensure_default_target
+    from dflash.model_files import ensure_default_drafter, ensure_default_target
 
     try:
         llamacpp.ensure_built(args.jobs)
@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / "peers.json").write_text(json.dumps(report, indent=2) + "\n")
         bench = ["bench", "--threads", str(args.threads), "--suites", args.suites, "--methods", args.methods,
                  "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--out", str(out)]
-        rc = dflash_main(bench + (["--resume"] if args.resume else []))
+        # `dflash bench` in a process of its own (the bench sits below the CLI)
+        rc = subprocess.run([sys.executable, "-m", "dflash.cli", *bench, *(["--resume"] if args.resume else [])]).returncode
         if rc:
             return rc
         report["runs"] = check_runs(out)

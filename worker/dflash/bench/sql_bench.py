@@ -20,9 +20,9 @@ import torch
 
 from dflash.bench.timing import interleaved_medians_ms, write_json_report
 from dflash.embed import Embedder
-from dflash.engine.engine import Engine
+from dflash.loading import load_engine
 from dflash.localpg import start_local_cluster
-from dflash.models import resolve_models
+from dflash.model_files import resolve_models
 from dflash.serve.client import Client
 from dflash.serve.queue import QueueConsumer
 from dflash.serve.server import Worker
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     target, drafter, is_random = resolve_models(None, None)
-    engine = Engine.load(target, drafter, random_drafter=is_random)
+    engine = load_engine(target, drafter, random_drafter=is_random)
     server = start_local_cluster()
     sock = server.socket_dir / "worker.sock"
     worker = Worker(engine, Embedder(), socket_path=str(sock),

@@ -176,7 +176,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from dflash.cli import add_model_args, load_engine
+    from dflash.loading import add_model_args, engine_from_args as load_engine
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p)

@@ -16,8 +16,9 @@ import torch
 
 from dflash.bench.timing import median_ms, write_json_report
 from dflash.embed import Embedder
-from dflash.engine.engine import Engine, GenerationRequest
-from dflash.models import resolve_models
+from dflash.engine.engine import GenerationRequest
+from dflash.loading import load_engine
+from dflash.model_files import resolve_models
 from dflash.serve.client import Client
 from dflash.serve.server import Worker
 
@@ -28,7 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args(argv)
     target, drafter, is_random = resolve_models(None, None)
-    engine = Engine.load(target, drafter, random_drafter=is_random)
+    engine = load_engine(target, drafter, random_drafter=is_random)
     embedder = Embedder()
     gen = {"prompt": "Hi", "max_new_tokens": 1}
     text = ["a short text"]

@@ -38,8 +38,9 @@ def read_stored_drafter(path: Path):
 def convert_drafter(src: str | Path, to: str, out: str | Path, target: str | Path | None = None,
                     outtype: str = "auto") -> Path:
     """`target` (its GGUF file or Hugging Face folder) is checked against the drafter; for
-    GGUF it also supplies the vocabulary (default: the embedded target's), and for a GGUF
-    that llama.cpp's converter wrote, the target's layer count."""
+    GGUF it also supplies the vocabulary (required: `dflash convert` gives the embedded
+    target's by default), and for a GGUF that llama.cpp's converter wrote, the target's
+    layer count."""
     from dflash.convert.vocab import check_fits, target_vocabulary
 
     src, out = Path(src), Path(out)

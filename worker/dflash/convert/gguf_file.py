@@ -33,7 +33,7 @@ import gguf
 import numpy as np
 import torch
 
-from dflash.engine.config import DrafterConfig
+from dflash.engine.drafter_config import DrafterConfig
 from dflash.engine.drafter import DFlashDrafter, check_state
 from dflash.errors import DFlashError
 

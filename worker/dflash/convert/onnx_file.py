@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash.engine.config import DrafterConfig
+from dflash.engine.drafter_config import DrafterConfig
 from dflash.engine.drafter import drafter_from_state
 from dflash.engine.onnx_drafter import CONFIG_METADATA, DIGEST_METADATA, io_names
 from dflash.engine.versions import digest

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import gguf
 
 from dflash.convert.gguf_file import MASK_KEY, Vocabulary, field_value, open_gguf
-from dflash.engine.config import DrafterConfig
+from dflash.engine.drafter_config import DrafterConfig
 from dflash.errors import DFlashError
 
 VT = gguf.GGUFValueType
@@ -27,11 +27,10 @@ VT = gguf.GGUFValueType
 
 def target_vocabulary(target: str | Path | None, with_vocab: bool = True) -> tuple[SimpleNamespace, Vocabulary]:
     """(the target's shape for `check_fits`, its tokenizer keys unless `with_vocab` is
-    false) from its GGUF file or HF folder; None: the embedded default target's GGUF."""
+    false) from its GGUF file or HF folder (the caller names the default target's, if it is
+    the one: dflash.model_files.default_target_gguf)."""
     if target is None:
-        from dflash.models import GGUF_FILE, _gguf_source
-
-        target = _gguf_source() / GGUF_FILE
+        raise DFlashError("bad_target", "a GGUF drafter needs its target's GGUF file or Hugging Face folder (--target)")
     target = Path(target)
     if target.suffix == ".gguf":
         return _from_gguf(target)

@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dflash.engine.config import DrafterConfig
+from dflash.engine.drafter_config import DrafterConfig
 from dflash.errors import DFlashError
 
 
@@ -296,23 +296,6 @@ class PackedRope:
 def _state_key(name: str) -> str | None:
     """Our parameter names equal the published tensor names; buffers are not stored."""
     return None if name.startswith("rotary.") else name
-
-
-def load_drafter(path: str | Path, device="cpu", dtype=torch.float32):
-    """A drafter from the published folder, a `.gguf` file (llama.cpp's DFlash layout) or an
-    `.onnx` file (run by ONNX Runtime); see dflash.convert."""
-    path = Path(path)
-    if path.suffix == ".onnx":
-        from dflash.engine.onnx_drafter import OnnxDrafter
-
-        return OnnxDrafter.load(path).to(device=device, dtype=dtype).eval()
-    if path.suffix == ".gguf":
-        from dflash.convert.gguf_file import read_gguf_drafter
-
-        cfg, state = read_gguf_drafter(path)
-    else:
-        cfg, state = read_drafter_folder(path)
-    return drafter_from_state(cfg, state).to(device=device, dtype=dtype).eval()
 
 
 def read_drafter_folder(path: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:

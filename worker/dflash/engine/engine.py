@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 from dflash.engine import step as step_mod
-from dflash.engine.config import DrafterConfig, PolicyConfig, SamplingParams
+from dflash.engine.drafter_config import DrafterConfig
+from dflash.engine.knobs import PolicyConfig
+from dflash.engine.sampling import SamplingParams
 from dflash.engine.costs import CostCurve, Prices, load_or_measure
 from dflash.engine.drafter import DFlashDrafter
 from dflash.engine.policy import BlockPolicy, Prior, explain
@@ -32,7 +34,6 @@ from dflash.engine.stats import GenerationStats
 from dflash.engine.stops import StopStrings
 from dflash.engine.target import Target
 from dflash.engine.target.hf import HFTarget
-from dflash.engine.versions import load_versioned
 from dflash.engine.workloads import WorkloadMemory
 from dflash.errors import DFlashError
 from dflash.options import defaults
@@ -175,20 +176,6 @@ class Engine:
         # Counts of recent `auto` generations: the starting prior of requests that bring none.
         self.recent_counts: deque[dict] = deque(maxlen=200)
         self._max_token_chars = None
-
-    @classmethod
-    def load(cls, target_dir, drafter_dir, device: str = "cpu", dtype: str = "float32", random_drafter=False,
-             cost_dir: Path | None = None, draft_dtype: str | None = None):
-        if dtype not in DTYPES:
-            raise DFlashError("bad_dtype", f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise DFlashError("bad_device", "device 'cuda' was asked for but no CUDA device is available")
-        if device != "cpu" and not device.startswith("cuda"):
-            raise DFlashError("bad_device", f"device must be 'cpu' or 'cuda[:N]', got '{device}'")
-        target = HFTarget.from_pretrained(target_dir, device=device, dtype=DTYPES[dtype])
-        drafter, sha = load_versioned(drafter_dir, device=device, dtype=DTYPES[dtype])
-        return cls(target, drafter, drafter_name=Path(drafter_dir).name, random_drafter=random_drafter,
-                   cost_dir=cost_dir, drafter_sha256=sha, draft_dtype=draft_dtype)
 
     # --- the drafter, and replacing it between steps --------------------------------------
 

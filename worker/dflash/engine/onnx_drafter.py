@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash.engine.config import DrafterConfig
+from dflash.engine.drafter_config import DrafterConfig
 from dflash.errors import DFlashError
 
 # Model metadata written by dflash.convert.onnx_file: the config.json, and the version

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from dflash.engine.config import PolicyConfig
+from dflash.engine.knobs import PolicyConfig
 from dflash.engine.costs import CostCurve, Prices
 
 

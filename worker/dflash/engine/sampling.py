@@ -1,4 +1,5 @@
-"""Sampling and the three verify rules, as small pure functions on tensors.
+"""How a request samples (`SamplingParams`, validated), and sampling and the three verify
+rules as small pure functions on tensors.
 
 Notation follows the papers: p = target distribution, q = draft distribution.
 For one step with K drafted tokens d_1..d_K the target gives K+1 rows p_1..p_{K+1}
@@ -11,11 +12,67 @@ p_{K+1} when every draft is kept). A step therefore commits accepted + 1 tokens.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from dflash.engine.config import SamplingParams
+from dflash.errors import DFlashError
 
+VERIFY_MODES = ("greedy", "strict", "probabilistic")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen and verified for one request.
+
+    temperature 0 means greedy decoding; then the verify mode is always
+    `greedy` (the three rules coincide). With temperature > 0 the default rule
+    is `probabilistic` (drafts sampled from the drafter, p/q acceptance).
+    Every finite temperature >= 0 and every top_p in (0, 1] is valid, down to the
+    limits (1e-300, subnormals, 1e300): `sampling.warp` takes them to a proper
+    distribution.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    verify: str | None = None
+
+    def __post_init__(self):
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not self._finite(t) or t < 0:
+            raise DFlashError("bad_temperature", f"temperature must be a finite number >= 0, got {t}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise DFlashError("bad_top_k", f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or not self._finite(p) or not (0 < p <= 1):
+            raise DFlashError("bad_top_p", f"top_p must be in (0, 1], got {p}")
+        if self.verify is not None and self.verify not in VERIFY_MODES:
+            raise DFlashError("bad_verify", f"verify must be one of {', '.join(VERIFY_MODES)}, got '{self.verify}'")
+        if self.verify == "greedy" and t > 0:
+            raise DFlashError("bad_verify", "verify 'greedy' needs temperature 0; use 'strict' or 'probabilistic'")
+        if self.seed is not None and (not isinstance(self.seed, int) or not (0 <= self.seed < 2**63)):
+            raise DFlashError("bad_seed", f"seed must be an integer in [0, 2^63), got {self.seed}")
+
+    @staticmethod
+    def _finite(x: int | float) -> bool:
+        """A finite float, or an int that converts to one (math.isfinite raises
+        OverflowError for an int past float range, such as a 400-digit JSON number)."""
+        try:
+            return math.isfinite(x)
+        except OverflowError:
+            return False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def verify_mode(self) -> str:
+        if self.greedy:
+            return "greedy"
+        return self.verify or "probabilistic"
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Top-k, temperature, then top-p; returns fp32 probabilities over the last dim.

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dflash.engine.config import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
+from dflash.engine.knobs import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
 from dflash.engine.state import DecodeState, StepResult
 from dflash.errors import DFlashError
 

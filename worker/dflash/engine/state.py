@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash.engine.config import SamplingParams
+from dflash.engine.sampling import SamplingParams
 from dflash.engine.policy import BlockPolicy
 from dflash.engine.stats import GenerationStats
 from dflash.engine.stops import StopStrings

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from dflash.engine.config import DrafterConfig
-from dflash.engine.drafter import DFlashDrafter, _state_key, drafter_from_state, load_drafter, read_drafter_folder
+from dflash.engine.drafter_config import DrafterConfig
+from dflash.engine.drafter import DFlashDrafter, _state_key
 from dflash.errors import DFlashError
 
 VERSION_CHARS = 16
@@ -46,17 +46,3 @@ def model_digest(model) -> str | None:
 def label(sha256: str | None) -> str | None:
     """The short version name of a digest."""
     return sha256[:VERSION_CHARS] if sha256 else None
-
-
-def load_versioned(path: str | Path, device="cpu", dtype=torch.float32) -> tuple[object, str | None]:
-    """A drafter and its digest, reading the weights once. Folders are digested as stored;
-    other formats (.gguf, .onnx) as loaded."""
-    path = Path(path)
-    if path.is_dir():
-        cfg, state = read_drafter_folder(path)
-        sha = digest(cfg, state)
-        return drafter_from_state(cfg, state).to(device=device, dtype=dtype).eval(), sha
-    if not path.exists():
-        raise DFlashError("bad_drafter", f"drafter not found: {path}")
-    model = load_drafter(path, device=device, dtype=dtype)
-    return model, model_digest(model)

@@ -24,7 +24,7 @@ class DrafterReloader:
         """Read and check the drafter a reload_drafter names (`path`: a folder under the
         drafter roots; none: the current drafter's folder again; `sha256`: the digest its
         weights must have). Runs on the caller's thread. Raises DFlashError."""
-        from dflash.engine.versions import load_versioned
+        from dflash.loading import load_versioned
 
         unknown = sorted(set(params) - {"path", "sha256"})
         if unknown:

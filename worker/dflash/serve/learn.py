@@ -20,6 +20,7 @@ by default the `--database` DSN: GRANT dflash_trainer TO dflash_worker).
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -178,7 +179,7 @@ def learner_from_args(worker, args, target_dir: Path) -> Learner:
     if not dsn:
         raise DFlashError("bad_params", "--learn needs a database: --learn-database DSN (or --database DSN) "
                           "as a role in dflash_trainer")
-    from dflash.models import cache_dir
+    from dflash.model_files import cache_dir
 
     settings = LearnSettings(
         dsn=dsn, directory=Path(args.learn_dir) if args.learn_dir else cache_dir() / "learn",
@@ -210,3 +211,23 @@ def _child() -> int:
 
 if __name__ == "__main__":
     sys.exit(_child())
+
+
+def add_learn_arguments(p: argparse.ArgumentParser) -> None:
+    """`dflash serve --learn` (off by default)."""
+    g = p.add_argument_group("learning from the workload (off by default: a drafter trained on a workload "
+                             "memorises some of it)")
+    g.add_argument("--learn", action="store_true",
+                   help="fine-tune the drafter on the rows shared for training while idle, adopt it if held-out "
+                        "τ rises, and load it between requests")
+    g.add_argument("--learn-database", metavar="DSN", help="as a role in dflash_trainer (default: --database)")
+    g.add_argument("--learn-dir", help="where rounds write their data and drafters (default: CACHE/learn)")
+    g.add_argument("--learn-idle-s", type=float, default=LearnSettings.idle_s,
+                   help="seconds without a request before a round starts")
+    g.add_argument("--learn-min-rows", type=int, default=LearnSettings.min_new_rows,
+                   help="rows shared since the last round before another one runs")
+    g.add_argument("--learn-cpu-min", type=float, default=LearnSettings.cpu_budget_min,
+                   help="CPU minutes a round may train for")
+    g.add_argument("--learn-threads", type=int, default=LearnSettings.threads, help="torch threads of a round")
+    g.add_argument("--learn-margin", type=float, default=Settings.margin,
+                   help="adopt a round's drafter only if held-out τ rises by more than this (relative)")

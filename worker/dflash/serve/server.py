@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from dflash.engine.engine import Engine, check_prior
-from dflash.engine.config import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
+from dflash.engine.knobs import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
 from dflash.engine.scheduler import Call, Scheduler
 from dflash.errors import DFlashError
 from dflash.serve.drafters import DrafterReloader

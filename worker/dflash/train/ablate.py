@@ -19,6 +19,8 @@ import argparse
 import json
 import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 # name -> `dflash train` options. Items 3 and 4 of the drafter issue: the acceptance-aware
@@ -128,8 +130,6 @@ def main(argv=None) -> int:
     if not args.report:
         if not args.init_from:
             p.error("--init-from is required to run arms")
-        from dflash.cli import main as dflash
-
         common = ["train", "--init-from", args.init_from, "--threads", str(args.threads), "--topk", str(args.topk),
                   "--lr", str(args.lr), "--warmup-steps", "10", "--cpu-budget-min", str(args.cpu_minutes)]
         common += ["--sequences", str(args.sequences)] if args.sequences else []
@@ -140,10 +140,15 @@ def main(argv=None) -> int:
             shutil.rmtree(folder, ignore_errors=True)
             argv = arm_argv(out, name, opts, common)
             print(f"[ablate] {name}: dflash {shlex.join(argv)}", flush=True)
-            if dflash(argv):
+            if run_dflash(argv):
                 raise SystemExit(f"arm {name!r} failed")
     print(table(report(out, arms)))
     return 0
+
+
+def run_dflash(argv: list[str]) -> int:
+    """`dflash ARGV` (an arm's `dflash train`) in a process of its own; its exit status."""
+    return subprocess.run([sys.executable, "-m", "dflash.cli", *argv]).returncode
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from dflash.errors import DFlashError
 from dflash.train.objective import cosine_lr
+from dflash import model_files
 from dflash.train.trainer import autocast, plot_losses, schedule_step
 
 WEIGHTS = "assistant.safetensors"
@@ -146,3 +147,26 @@ def train_assistant(model, records: list[dict], out: Path, *, lr: float = 6e-4, 
     (out / "losses.json").write_text(json.dumps(state["losses"]))
     plot_losses(state["losses"], out / "loss.png")
     return state
+
+
+def assistant_dir(path: str | Path | None, target_model, target_is_default: bool) -> Path | None:
+    """A loadable transformers folder for the `assisted-ar` baseline, or None.
+
+    `path` may be a plain transformers folder, or a stored assistant (layers only,
+    `assistant.safetensors`, see dflash.train.assistant), which is materialised once
+    into the cache with the target's embedding. Without `path`, the shipped assistant
+    serves the default target."""
+    if path is None:
+        if not (target_is_default and (model_files.SHIPPED_ASSISTANT / "config.json").is_file()):
+            return None
+        path = model_files.SHIPPED_ASSISTANT
+    path = Path(path)
+    if not (path / "assistant.safetensors").is_file():
+        return path
+    out = model_files.cache_dir() / "assistants" / path.name
+    stamp = f"{(path / 'assistant.safetensors').stat().st_size}-{(path / 'assistant.safetensors').stat().st_mtime_ns}"
+    if not ((out / model_files.MARKER).is_file() and json.loads((out / model_files.MARKER).read_text()).get("stamp") == stamp):
+        model_files.say(f"materialising the AR assistant {path.name} into {out} (once)")
+        materialize_assistant(path, target_model, out)
+        (out / model_files.MARKER).write_text(json.dumps({"source": str(path), "stamp": stamp}) + "\n")
+    return out

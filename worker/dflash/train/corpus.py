@@ -87,7 +87,7 @@ def generate(out: Path, *, batch_size: int, max_new_tokens: int, window: int, li
     import torch
 
     from dflash.engine.target.hf import HFTarget
-    from dflash.models import ensure_default_target
+    from dflash.model_files import ensure_default_target
     from dflash.train.data import collect_prompts, regenerate
 
     if threads:

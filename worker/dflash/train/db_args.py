@@ -1,6 +1,6 @@
 """Command-line options for learning from the workload (torch-free, so building the CLI stays
-fast): `dflash train --from-database DSN ...` and `dflash serve --learn ...`. Defaults live in
-dflash.train.from_database (Filters, Settings) and dflash.serve.learn (LearnSettings)."""
+fast): `dflash train --from-database DSN ...` (`dflash serve --learn ...`'s are in
+dflash.serve.learn). Defaults live in dflash.train.from_database (Filters, Settings)."""
 
 from __future__ import annotations
 
@@ -47,25 +47,3 @@ def check_from_database_arguments(args) -> None:
 
         raise DFlashError("bad_params", "--from-database trains on the database's rows; drop "
                           + ", ".join("--" + c.replace("_", "-") for c in clash))
-
-
-def add_learn_arguments(p: argparse.ArgumentParser) -> None:
-    """`dflash serve --learn` (off by default)."""
-    from dflash.serve.learn import LearnSettings
-
-    g = p.add_argument_group("learning from the workload (off by default: a drafter trained on a workload "
-                             "memorises some of it)")
-    g.add_argument("--learn", action="store_true",
-                   help="fine-tune the drafter on the rows shared for training while idle, adopt it if held-out "
-                        "τ rises, and load it between requests")
-    g.add_argument("--learn-database", metavar="DSN", help="as a role in dflash_trainer (default: --database)")
-    g.add_argument("--learn-dir", help="where rounds write their data and drafters (default: CACHE/learn)")
-    g.add_argument("--learn-idle-s", type=float, default=LearnSettings.idle_s,
-                   help="seconds without a request before a round starts")
-    g.add_argument("--learn-min-rows", type=int, default=LearnSettings.min_new_rows,
-                   help="rows shared since the last round before another one runs")
-    g.add_argument("--learn-cpu-min", type=float, default=LearnSettings.cpu_budget_min,
-                   help="CPU minutes a round may train for")
-    g.add_argument("--learn-threads", type=int, default=LearnSettings.threads, help="torch threads of a round")
-    g.add_argument("--learn-margin", type=float, default=Settings.margin,
-                   help="adopt a round's drafter only if held-out τ rises by more than this (relative)")

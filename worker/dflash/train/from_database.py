@@ -256,7 +256,7 @@ def stored_mismatches(records: list[dict], outputs: list[list[int]]) -> int:
 def fine_tune(target, drafter_dir: Path, records: list[dict], out: Path, cfg, stage: str) -> dict:
     """Fine-tune the drafter in `drafter_dir` on `records` with dflash train's trainer; the
     candidate lands in out/train/drafter."""
-    from dflash.engine.drafter import load_drafter
+    from dflash.loading import load_drafter
     from dflash.train.features import FeatureCache
     from dflash.train.trainer import read_lineage, train
 
@@ -279,7 +279,8 @@ def run(dsn: str, out: Path, *, target_dir: Path, init_from: Path | None, defaul
     from dflash.engine.costs import CostCurve
     from dflash.engine.engine import Engine
     from dflash.engine.target.hf import HFTarget
-    from dflash.engine.versions import label, load_versioned
+    from dflash.engine.versions import label
+    from dflash.loading import load_versioned
     from dflash.train.trainer import TrainConfig
 
     out = Path(out)
@@ -359,7 +360,7 @@ def run_from_args(args) -> int:
     """`dflash train --from-database DSN` (options: dflash.train.args and dflash.train.db_args)."""
     import torch
 
-    from dflash.models import ensure_default_drafter, ensure_default_target
+    from dflash.model_files import ensure_default_drafter, ensure_default_target
     from dflash.train.trainer import TrainConfig
 
     if args.threads:

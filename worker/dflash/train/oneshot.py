@@ -100,14 +100,14 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    from dflash.models import ensure_default_target
+    from dflash.model_files import ensure_default_target
 
     args.target = args.target or str(ensure_default_target())
     if args.assistant_only:
         assistant_main(args)
         return 0
 
-    from dflash.engine.config import DrafterConfig
+    from dflash.engine.drafter_config import DrafterConfig
     from dflash.train.corpus import load_corpus
     from dflash.train.data import collect_prompts, regenerate, load_records
     from dflash.train.features import DeviceFeatures

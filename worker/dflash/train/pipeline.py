@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from dflash.engine.config import DrafterConfig, build_target_layer_ids
-from dflash.engine.drafter import DFlashDrafter, init_random_drafter, load_drafter
+from dflash.engine.drafter_config import DrafterConfig, build_target_layer_ids
+from dflash.engine.drafter import DFlashDrafter, init_random_drafter
+from dflash.loading import load_drafter
 from dflash.engine.target.hf import HFTarget
 from dflash.train.data import collect_prompts, load_records, read_prompt_file, regenerate
 from dflash.train.features import FeatureCache
@@ -158,7 +159,7 @@ def run(target_dir: Path, out: Path, *, prompts: int | None, max_new_tokens: int
 
 def run_from_args(args) -> int:
     """`dflash train` (options: dflash.train.args)."""
-    from dflash.models import ensure_default_target
+    from dflash.model_files import ensure_default_target
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -22,7 +22,7 @@ import torch
 
 import statistics
 from dflash.engine.drafter import init_random_drafter
-from dflash.models import ensure_default_target
+from dflash.model_files import ensure_default_target
 from dflash.train.blockwise import forward_blocks
 from dflash.train.objective import build_blocks, sample_anchors, slot_weights, token_losses
 from dflash.train.trainer import autocast

@@ -167,9 +167,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the result as JSON here")
     args = p.parse_args(argv)
 
-    from dflash.engine.drafter import load_drafter
+    from dflash.loading import load_drafter
     from dflash.engine.target.hf import HFTarget
-    from dflash.models import default_target_dir, ensure_default_target
+    from dflash.model_files import default_target_dir, ensure_default_target
 
     target = HFTarget.from_pretrained(args.target or ensure_default_target())
     drafters = [load_drafter(d) for d in args.drafter]

@@ -1,4 +1,4 @@
-"""Configuration as dataclasses: the drafter's config.json and per-request sampling.
+"""The drafter's config.json as a dataclass.
 
 `DrafterConfig` reads the published DFlash layout (Qwen3-style keys plus the
 top-level `block_size` / `num_target_layers` and `dflash_config`) without
@@ -8,18 +8,10 @@ requiring anything the z-lab checkpoints do not carry.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash.errors import DFlashError
-
-VERIFY_MODES = ("greedy", "strict", "probabilistic")
-
-# The scheduler's defaults (dflash.engine.scheduler): requests served by one engine step,
-# and the tokens one step may take while others decode (a prefill chunk gets what is left).
-DEFAULT_MAX_BATCH = 16
-DEFAULT_STEP_TOKENS = 128
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -164,89 +156,3 @@ class DrafterConfig:
             "target_layer_ids": list(self.target_layer_ids),
         }
         return out
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How tokens are chosen and verified for one request.
-
-    temperature 0 means greedy decoding; then the verify mode is always
-    `greedy` (the three rules coincide). With temperature > 0 the default rule
-    is `probabilistic` (drafts sampled from the drafter, p/q acceptance).
-    Every finite temperature >= 0 and every top_p in (0, 1] is valid, down to the
-    limits (1e-300, subnormals, 1e300): `sampling.warp` takes them to a proper
-    distribution.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    verify: str | None = None
-
-    def __post_init__(self):
-        t = self.temperature
-        if not isinstance(t, (int, float)) or not self._finite(t) or t < 0:
-            raise DFlashError("bad_temperature", f"temperature must be a finite number >= 0, got {t}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise DFlashError("bad_top_k", f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
-        p = self.top_p
-        if not isinstance(p, (int, float)) or not self._finite(p) or not (0 < p <= 1):
-            raise DFlashError("bad_top_p", f"top_p must be in (0, 1], got {p}")
-        if self.verify is not None and self.verify not in VERIFY_MODES:
-            raise DFlashError("bad_verify", f"verify must be one of {', '.join(VERIFY_MODES)}, got '{self.verify}'")
-        if self.verify == "greedy" and t > 0:
-            raise DFlashError("bad_verify", "verify 'greedy' needs temperature 0; use 'strict' or 'probabilistic'")
-        if self.seed is not None and (not isinstance(self.seed, int) or not (0 <= self.seed < 2**63)):
-            raise DFlashError("bad_seed", f"seed must be an integer in [0, 2^63), got {self.seed}")
-
-    @staticmethod
-    def _finite(x: int | float) -> bool:
-        """A finite float, or an int that converts to one (math.isfinite raises
-        OverflowError for an int past float range, such as a 400-digit JSON number)."""
-        try:
-            return math.isfinite(x)
-        except OverflowError:
-            return False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def verify_mode(self) -> str:
-        if self.greedy:
-            return "greedy"
-        return self.verify or "probabilistic"
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """Knobs of block length `auto` (see policy.py); one place for their defaults."""
-
-    default_acceptance: float = 0.5  # a priori chance the first draft is kept (no workload prior)
-    default_decay: float = 0.85  # ... and its decay per later position
-    prior_strength: float = 2.0  # steps of evidence the default prior is worth
-    max_prior_strength: float = 32.0  # a workload prior never outweighs this many steps
-    confidence_weight: float = 0.75  # a priori, the drafter's confidence against position history
-    calibration_bins: int = 10  # confidence bins for the online calibration
-    calibration_strength: float = 2.0  # pseudo-outcomes per bin before any is seen
-    history: int = 32  # recent drafted steps replayed to price drafting
-    probe_after: int = 8  # plain steps before drafting is tried again
-    probe_max_gap: int = 64  # probes that do not pay back off up to this gap
-    # A request whose prior rests on this many judged first drafts (the workload's or the
-    # engine's recent generations) and says drafting does not pay starts at this gap: the
-    # evidence that probes would gather at 8, 16, 32 is already in the prior.
-    informed_prior_steps: float = 16.0
-    informed_gap: int = 32
-    # A probe drafts this many positions (anchor included) and verifies them all. 3, not
-    # more: on a CPU a verify of 3 costs about what 2 does while 4 costs markedly more
-    # (small-M matmul kernels), and the first draft positions decide whether drafting pays.
-    probe_len: int = 3
-    warmup_outcomes: int = 4  # drafted steps verify everything until this many outcomes are calibrated
-    # The suffix proposer's chains: before any outcome, a chain position is trusted at this
-    # share of its match-count confidence (a count of one earlier occurrence says little),
-    # with suffix_strength pseudo-outcomes; the engine's pooled outcomes of recent requests
-    # (at most max_prior_strength of them per bin) start each new request's calibration.
-    suffix_trust: float = 0.5
-    suffix_strength: float = 4.0

@@ -60,7 +60,7 @@ def _ready(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
     print(f"[dflash] {msg}", file=sys.stderr, flush=True)
 
 
@@ -82,6 +82,11 @@ def _gguf_source() -> Path:
     return src
 
 
+def default_target_gguf() -> Path:
+    """The embedded default target as it ships (GGUF Q4_1)."""
+    return _gguf_source() / GGUF_FILE
+
+
 def ensure_default_target(quiet: bool = False) -> Path:
     """Convert the GGUF to a plain HF folder once; returns the folder."""
     out = default_target_dir()
@@ -94,7 +99,7 @@ def ensure_default_target(quiet: bool = False) -> Path:
     src = _gguf_source()
     out.parent.mkdir(parents=True, exist_ok=True)
     if not quiet:
-        _say(f"converting {GGUF_FILE} (GGUF Q4_1) to a Hugging Face folder in {out} (once, ~30 s)")
+        say(f"converting {GGUF_FILE} (GGUF Q4_1) to a Hugging Face folder in {out} (once, ~30 s)")
     stages = tqdm(total=3, desc="preparing default target", unit="stage", disable=quiet, file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
     try:
@@ -153,12 +158,12 @@ def ensure_default_drafter(target_dir: Path | None = None, quiet: bool = False) 
     path, is_random = default_drafter_dir()
     if not is_random or _ready(path):
         return path, is_random
-    from dflash.engine.config import DrafterConfig
+    from dflash.engine.drafter_config import DrafterConfig
     from dflash.engine.drafter import init_random_drafter, save_drafter
 
     target_dir = target_dir or ensure_default_target(quiet)
     if not quiet:
-        _say(f"no trained default drafter yet: writing a random-weight drafter to {path} (for tests only)")
+        say(f"no trained default drafter yet: writing a random-weight drafter to {path} (for tests only)")
     cfg = DrafterConfig.from_dict(random_drafter_config(target_dir))
     save_drafter(init_random_drafter(cfg, seed=0), path)
     (path / MARKER).write_text(json.dumps({"random": True, "seed": 0}) + "\n")
@@ -174,28 +179,3 @@ def resolve_models(target: str | None, drafter: str | None, quiet: bool = False)
         raise DFlashError("bad_drafter", "a custom --target needs its own --drafter (the default fits SmolLM2 only)")
     drafter_dir, is_random = ensure_default_drafter(target_dir, quiet)
     return target_dir, drafter_dir, is_random
-
-
-def assistant_dir(path: str | Path | None, target_model, target_is_default: bool) -> Path | None:
-    """A loadable transformers folder for the `assisted-ar` baseline, or None.
-
-    `path` may be a plain transformers folder, or a stored assistant (layers only,
-    `assistant.safetensors`, see dflash.train.assistant), which is materialised once
-    into the cache with the target's embedding. Without `path`, the shipped assistant
-    serves the default target."""
-    if path is None:
-        if not (target_is_default and (SHIPPED_ASSISTANT / "config.json").is_file()):
-            return None
-        path = SHIPPED_ASSISTANT
-    path = Path(path)
-    if not (path / "assistant.safetensors").is_file():
-        return path
-    from dflash.train.assistant import materialize_assistant
-
-    out = cache_dir() / "assistants" / path.name
-    stamp = f"{(path / 'assistant.safetensors').stat().st_size}-{(path / 'assistant.safetensors').stat().st_mtime_ns}"
-    if not ((out / MARKER).is_file() and json.loads((out / MARKER).read_text()).get("stamp") == stamp):
-        _say(f"materialising the AR assistant {path.name} into {out} (once)")
-        materialize_assistant(path, target_model, out)
-        (out / MARKER).write_text(json.dumps({"source": str(path), "stamp": stamp}) + "\n")
-    return out

@@ -1,0 +1,43 @@
+"""Tunable defaults of the engine: block length auto's (PolicyConfig) and the scheduler's.
+Torch-free, so the CLI can show them without loading a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The scheduler's defaults (dflash.engine.scheduler): requests served by one engine step,
+# and the tokens one step may take while others decode (a prefill chunk gets what is left).
+DEFAULT_MAX_BATCH = 16
+DEFAULT_STEP_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of block length `auto` (see policy.py); one place for their defaults."""
+
+    default_acceptance: float = 0.5  # a priori chance the first draft is kept (no workload prior)
+    default_decay: float = 0.85  # ... and its decay per later position
+    prior_strength: float = 2.0  # steps of evidence the default prior is worth
+    max_prior_strength: float = 32.0  # a workload prior never outweighs this many steps
+    confidence_weight: float = 0.75  # a priori, the drafter's confidence against position history
+    calibration_bins: int = 10  # confidence bins for the online calibration
+    calibration_strength: float = 2.0  # pseudo-outcomes per bin before any is seen
+    history: int = 32  # recent drafted steps replayed to price drafting
+    probe_after: int = 8  # plain steps before drafting is tried again
+    probe_max_gap: int = 64  # probes that do not pay back off up to this gap
+    # A request whose prior rests on this many judged first drafts (the workload's or the
+    # engine's recent generations) and says drafting does not pay starts at this gap: the
+    # evidence that probes would gather at 8, 16, 32 is already in the prior.
+    informed_prior_steps: float = 16.0
+    informed_gap: int = 32
+    # A probe drafts this many positions (anchor included) and verifies them all. 3, not
+    # more: on a CPU a verify of 3 costs about what 2 does while 4 costs markedly more
+    # (small-M matmul kernels), and the first draft positions decide whether drafting pays.
+    probe_len: int = 3
+    warmup_outcomes: int = 4  # drafted steps verify everything until this many outcomes are calibrated
+    # The suffix proposer's chains: before any outcome, a chain position is trusted at this
+    # share of its match-count confidence (a count of one earlier occurrence says little),
+    # with suffix_strength pseudo-outcomes; the engine's pooled outcomes of recent requests
+    # (at most max_prior_strength of them per bin) start each new request's calibration.
+    suffix_trust: float = 0.5
+    suffix_strength: float = 4.0
