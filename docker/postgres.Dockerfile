@@ -41,7 +41,7 @@ RUN mirror=$(apt-get indextargets --format '$(REPO_URI)' 'Codename: bookworm' 'C
 COPY extension /src/extension
 COPY sql /src/sql
 COPY plpython /src/plpython
-COPY worker/dflash/__init__.py worker/dflash/options.py /src/worker/dflash/
+COPY worker/dflash/__init__.py worker/dflash/options.py worker/dflash/error_codes.py /src/worker/dflash/
 COPY worker/dflash/serve /src/worker/dflash/serve
 RUN make -s -C /src/extension install DESTDIR=/out
 

@@ -11,23 +11,11 @@ A U+0000 in an answer (PostgreSQL text cannot hold it) comes back as U+FFFD.
 
 import json
 
+from dflash import error_codes  # each worker error code's SQLSTATE and hint: one table
 from dflash.serve.client import Client, WorkerError
 from dflash.options import SQL_OPTIONS
-from dflash.serve.protocol import BAD_INPUT, HISTORY_TOKENS, pg_text, wants_prior, wants_workload, workload_key
+from dflash.serve.protocol import HISTORY_TOKENS, pg_text, wants_prior, wants_workload, workload_key
 
-# Worker error code -> (SQLSTATE, hint); bad input is 22023. DF000-DF002 are dflash's own class.
-SQLSTATES = {
-    "unavailable": ("DF001", "start the dflash worker (dflash serve --socket {socket}) or point "
-                    "dflash.set_config('socket_path', ...) at it"),
-    "busy": ("DF002", "the worker's queue is full; retry later or start it with a larger --max-queue"),
-    "shutting_down": ("DF001", "the dflash worker is stopping; start it again (dflash serve)"),
-    "deadline": ("57014", "raise statement_timeout or ask for fewer tokens"),
-    "cancelled": ("57014", None),
-    "forbidden": ("42501", "start the worker with --allow-uid/--allow-gid including the PostgreSQL server's user"),
-    "context_exceeded": ("54000", "shorten the prompt or ask for fewer new tokens"),
-    "frame_too_large": ("54000", "the request is larger than the worker's --max-frame"),
-    "no_embedder": ("DF000", "start the worker with an embedding model (without --no-embedder)"),
-}
 
 def settings(plpy):
     return {r["key"]: r["value"] for r in plpy.execute("SELECT c.key, c.value FROM dflash.config c")}
@@ -63,10 +51,7 @@ def call(plpy, op, params, cfg=None, history=None):
                 raise
             return client.call(op, dict(params, history=history()), timeout_ms=_timeout_ms(plpy, cfg), check=check)
     except WorkerError as exc:
-        if exc.code in BAD_INPUT:
-            state, hint = "22023", None
-        else:
-            state, hint = SQLSTATES.get(exc.code, ("DF000", None))
+        state, hint = error_codes.sqlstate(exc.code)
         fail(plpy, f"dflash: {exc.message}", state, hint=hint.format(socket=socket_path) if hint else None,
              detail=f"worker error code: {exc.code}")
     finally:

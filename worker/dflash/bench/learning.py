@@ -42,6 +42,7 @@ from dflash.model_files import resolve_models
 from dflash.serve.server import Worker
 from dflash.train import from_database
 from dflash.train.from_database import Filters, Settings
+from dflash.engine.stats import pooled_tau
 
 APP, TRAINER, ADMIN = "learning_app", "learning_trainer", "learning_admin"
 README_START, README_END = "<!-- learning-results:start -->", "<!-- learning-results:end -->"
@@ -100,7 +101,7 @@ def run_round(dsn: str, prompts: list[str], reference: list[list[int]], max_new_
             tokens += stats["new_tokens"]
             mismatches += stats["output_ids"] != ref
             versions.add(stats["drafter_version"])
-    return {"tau": (accepted + steps) / steps if steps else None, "tokens_per_s": tokens / wall if wall else None,
+    return {"tau": pooled_tau(accepted, steps), "tokens_per_s": tokens / wall if wall else None,
             "greedy_mismatches": mismatches, "prompts": len(prompts), "new_tokens": tokens, "steps": steps,
             "wall_s": round(wall, 1), "drafter_versions": sorted(v for v in versions if v)}
 

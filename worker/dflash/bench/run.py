@@ -41,6 +41,7 @@ from dflash.engine.costs import cpu_name
 from dflash.engine.engine import Engine, GenerationRequest
 
 from dflash.suites import SUITES, load_prompts_file, load_suite  # noqa: F401 (the bench's suites)
+from dflash.engine.stats import pooled_tau
 
 
 HF_SPECULATIVE = ("prompt-lookup", "assisted-ar")
@@ -187,7 +188,7 @@ def summarize(suite: str, method: str, samples: list[Sample], block: int | None,
         "new_tokens": new,
         "wall_s": wall,
         "tokens_per_s": new / wall if wall else None,
-        "tau": (sum(steps) + len(steps)) / len(steps) if speculative and steps else None,
+        "tau": pooled_tau(sum(steps), len(steps)) if speculative else None,
         "acceptance_rate": sum(steps) / max(sum(s.drafted for s in samples), 1) if speculative else None,
         "accepted_per_position": per_pos if speculative else None,
         "acceptance_length_histogram": dict(sorted(Counter(a + 1 for a in steps).items())) if speculative else None,

@@ -350,7 +350,8 @@ class Engine:
         policy = None
         if fixed is None and block > 1:
             # A seeded sample starts from defaults only, so the same seed gives the same output.
-            suffix_prior = self.suffix.prior(self.policy_config.max_prior_strength) if req.seed is None else None
+            suffix_prior = (None if req.seed is not None
+                            else self.suffix.prior(req.workload, self.policy_config.max_prior_strength))
             policy = BlockPolicy(self.cost_curve, block, self.prior_for(req), self.policy_config, suffix_prior)
         gen = None
         if not params.greedy:

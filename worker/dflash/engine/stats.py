@@ -15,11 +15,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
+def pooled_tau(accepted: int, steps: int) -> float | None:
+    """τ, the mean acceptance length: accepted drafts + 1 per step, pooled over steps. The
+    one definition: the engine, the worker's status, the bench and training all call it."""
+    return (accepted + steps) / steps if steps else None
+
+
 @dataclass
 class StepRecord:
     draft_ids: list[int]  # the drafts that were verified (verify length - 1 of them)
     accepted: int
-    drafted: int = 0  # block positions the drafter computed (0: no drafter forward)
 
 
 def _add_at(counts: list[int], n: int) -> None:
@@ -49,8 +54,8 @@ class GenerationStats:
         self.accepted_per_position = self.accepted_per_position or [0] * width
         self.judged_per_position = self.judged_per_position or [0] * width
 
-    def record(self, draft_ids: list[int], accepted: int, drafted: int = 0, proposer: str | None = None) -> None:
-        self.steps.append(StepRecord(draft_ids, accepted, drafted))
+    def record(self, draft_ids: list[int], accepted: int, proposer: str | None = None) -> None:
+        self.steps.append(StepRecord(draft_ids, accepted))
         self.verify_lengths[len(draft_ids) + 1] += 1
         if proposer is not None and draft_ids:
             c = self.by_proposer.setdefault(proposer, {"steps": 0, "drafted": 0, "accepted": 0})
@@ -81,7 +86,7 @@ class GenerationStats:
 
     @property
     def tau(self) -> float | None:
-        return (self.accepted + self.num_steps) / self.num_steps if self.steps else None
+        return pooled_tau(self.accepted, self.num_steps)
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -196,11 +196,11 @@ def step(engine, states: list[DecodeState], budget: int | None = None, min_chunk
         start = state.length - 1
         draft_list = p.drafts.tolist()
         verify_len = len(draft_list) + 1
-        state.stats.record(draft_list, accepted, p.draft_len if p.proposer == DFLASH else 0, p.proposer)
+        state.stats.record(draft_list, accepted, p.proposer)
         if state.policy is not None:
             if p.proposer == SUFFIX:
                 state.policy.observe_suffix(p.confidence, verify_len, accepted, engine.suffix.lookup_s)
-                engine.suffix.learn(p.confidence, verify_len, accepted)
+                engine.suffix.learn(state.workload, p.confidence, verify_len, accepted)
             else:
                 state.policy.observe(p.confidence, verify_len, accepted, p.draft_len)
         # The anchor and the kept drafts are now in the target's cache; their features are

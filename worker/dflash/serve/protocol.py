@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import time
 from collections.abc import Callable
 
 PROTOCOL_VERSION = 1
@@ -31,12 +30,6 @@ DEFAULT_MAX_FRAME = 8 * 1024 * 1024
 HEADER = struct.Struct("!I")
 OPERATIONS = ("hello", "status", "generate", "generate_many", "generate_block", "embed", "cancel", "explain_policy",
               "reload_drafter")
-
-# Worker error codes that mean the caller's input was wrong (SQLSTATE 22023 in SQL).
-BAD_INPUT = (
-    "bad_params empty_prompt bad_prompt bad_input_ids bad_block_size bad_max_new_tokens bad_temperature "
-    "bad_top_p bad_top_k bad_verify bad_seed bad_stop bad_prior empty_text"
-).split()
 
 
 # A workload's history (its past outputs, for the suffix proposer's memory) as the caller's
@@ -138,6 +131,3 @@ def pg_text(obj):
         return [pg_text(v) for v in obj]
     return obj
 
-
-def now_ms() -> float:
-    return time.monotonic() * 1000.0

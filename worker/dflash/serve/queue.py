@@ -30,6 +30,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
+from dflash import error_codes
 from dflash.errors import DFlashError
 from dflash.options import SQL_OPTIONS
 from dflash.serve.protocol import HISTORY_TOKENS, pg_text, wants_prior, wants_workload, workload_key
@@ -85,8 +86,8 @@ INSERT INTO dflash.generations (mode, status, error, prompt, params, calling_rol
 SELECT 'trigger', 'error', %(error)s, coalesce(g.prompt, ''), coalesce(t.options, '{}'), g.calling_role, g.tbl
 FROM gone g LEFT JOIN dflash.generation_targets t ON t.tbl = g.tbl"""
 
-# Failures that another attempt cannot mend: give up at once.
-FINAL = ("not_enabled", "row_gone")
+# Failures that another attempt cannot mend: give up at once (the table's `final` codes).
+FINAL = error_codes.FINAL
 
 
 class QueueConsumer:

@@ -25,6 +25,7 @@ import torch
 from dflash.engine.engine import Engine, check_prior
 from dflash.engine.knobs import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
 from dflash.engine.scheduler import Call, Scheduler
+from dflash.engine.stats import pooled_tau
 from dflash.errors import DFlashError
 from dflash.serve.drafters import DrafterReloader
 from dflash.serve.jobs import Answers, Job, error_reply
@@ -360,8 +361,7 @@ class Worker:
                 "batch_last_step": sched.active,
                 "engine_steps": sched.steps,
                 "tokens_generated": self.tokens,
-                # Pooled over the last generations: (accepted drafts + steps) / steps.
-                "recent_tau": (accepted + steps) / steps if steps else None,
+                "recent_tau": pooled_tau(accepted, steps),  # pooled over the last generations
                 "pid": os.getpid(),
                 "ready": not self.stopping.is_set(),
                 "drafter_sha256": self.engine.drafter_sha256,

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash.errors import DFlashError
+from dflash.engine.stats import pooled_tau
 
 
 @dataclass
@@ -240,7 +241,7 @@ def heldout_tau(engine, records: list[dict], max_new_tokens: int) -> dict:
         accepted += res.stats.accepted
         steps += res.stats.num_steps
         outputs.append(res.output_ids)
-    return {"tau": (accepted + steps) / steps if steps else None, "steps": steps, "outputs": outputs}
+    return {"tau": pooled_tau(accepted, steps), "steps": steps, "outputs": outputs}
 
 
 def stored_mismatches(records: list[dict], outputs: list[list[int]]) -> int:

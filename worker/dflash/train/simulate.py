@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from dflash.train.blockwise import forward_blocks
+from dflash.engine.stats import pooled_tau
 
 HELDOUT_GROUPS = ("code", "chat")
 
@@ -105,7 +106,7 @@ def simulate_tau(drafter, target, store, seqs: list[dict], max_new_tokens: int =
     drafter.train(was_training)
 
     def tau(steps):
-        return (sum(steps) + len(steps)) / len(steps) if steps else None
+        return pooled_tau(sum(steps), len(steps))
 
     every = [a for v in steps_by.values() for a in v]
     return {"tau": tau(every), "steps": len(every), "by_group": {g: round(tau(v), 4) for g, v in steps_by.items()},

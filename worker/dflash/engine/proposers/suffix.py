@@ -11,6 +11,7 @@ No model runs: its price is the lookup, which it measures. A proposal is a point
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ SELF = 0  # the document id of the request's own tokens in its index
 MAX_CONTEXT = 32  # the longest suffix looked up
 MIN_MATCH = 2  # a one-token match continues wherever that token did: no evidence
 SPEC_FACTOR = 2  # a chain is at most this many times as long as the match it continues
+MAX_POOLS = 256  # workloads whose pooled calibration is kept (least recently used dropped)
 
 
 @dataclass
@@ -38,12 +40,15 @@ class SuffixProposer:
 
     def __init__(self, workloads, bins: int = 10):
         self.workloads = workloads
+        self.bins = bins
         self.lookup_s = 2e-4  # a running mean of one proposal's price, seconds
         self.lookups = 0
-        # Outcomes of its drafts by confidence bin, pooled over the engine's requests (decayed,
-        # so they follow the workload): the start of each new request's calibration.
-        self.cal_acc = [0.0] * bins
-        self.cal_n = [0.0] * bins
+        # Outcomes of its drafts by confidence bin, pooled over a workload's requests (decayed,
+        # so they follow it): the start of each new request's calibration. Per workload (None:
+        # requests without one), because how often a memory's continuation is right is a
+        # property of the workload: a sampled workload's misses must not stop another's
+        # repeated answers from being drafted.
+        self.pools: OrderedDict[object, tuple[list[float], list[float]]] = OrderedDict()
 
     def start(self, state) -> SuffixState:
         own = SuffixIndex()
@@ -83,18 +88,29 @@ class SuffixProposer:
             out.append(Draft(torch.tensor(tokens, dtype=torch.long), None, list(confidence)))
         return out
 
-    def learn(self, confidences: list[float], verify_len: int, accepted: int, decay: float = 0.999) -> None:
-        """A suffix-drafted step's outcome, for the pooled calibration."""
-        bins = len(self.cal_n)
-        for i in range(min(accepted + 1, verify_len - 1)):
-            b = min(int(confidences[i] * bins), bins - 1)
-            self.cal_n[b] = self.cal_n[b] * decay + 1
-            self.cal_acc[b] = self.cal_acc[b] * decay + (i < accepted)
+    def _pool(self, workload) -> tuple[list[float], list[float]]:
+        pool = self.pools.get(workload)
+        if pool is None:
+            pool = self.pools[workload] = ([0.0] * self.bins, [0.0] * self.bins)
+            while len(self.pools) > MAX_POOLS:
+                self.pools.popitem(last=False)
+        self.pools.move_to_end(workload)
+        return pool
 
-    def prior(self, strength: float) -> tuple[list[float], list[float]]:
-        """The pooled calibration, shrunk to at most `strength` outcomes per bin."""
-        scale = [min(1.0, strength / n) if n > 0 else 0.0 for n in self.cal_n]
-        return [a * s for a, s in zip(self.cal_acc, scale)], [n * s for n, s in zip(self.cal_n, scale)]
+    def learn(self, workload, confidences: list[float], verify_len: int, accepted: int,
+              decay: float = 0.999) -> None:
+        """A suffix-drafted step's outcome, for its workload's pooled calibration."""
+        acc, n = self._pool(workload)
+        for i in range(min(accepted + 1, verify_len - 1)):
+            b = min(int(confidences[i] * self.bins), self.bins - 1)
+            n[b] = n[b] * decay + 1
+            acc[b] = acc[b] * decay + (i < accepted)
+
+    def prior(self, workload, strength: float) -> tuple[list[float], list[float]]:
+        """The workload's pooled calibration, shrunk to at most `strength` outcomes per bin."""
+        acc, n = self.pools.get(workload) or ([0.0] * self.bins, [0.0] * self.bins)
+        scale = [min(1.0, strength / x) if x > 0 else 0.0 for x in n]
+        return [a * s for a, s in zip(acc, scale)], [x * s for x, s in zip(n, scale)]
 
     def _price(self, seconds: float) -> None:
         self.lookups += 1
