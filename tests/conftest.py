@@ -57,7 +57,7 @@ def zlab_engine(smol_target, shared):
 
 @pytest.fixture(scope="session")
 def quick_engine(smol_target, shared):
-    from dflash.engine.drafter import load_drafter
+    from dflash.loading import load_drafter
     from dflash.engine.engine import Engine
 
     return Engine(smol_target, load_drafter(shared / "fixtures/quick-drafter"), "quick-drafter",

@@ -148,3 +148,17 @@ def test_journal_resumes_an_interrupted_run(tiny_text_engine, tmp_path, monkeypa
                (b["method"], b["new_tokens"], b["tau"], b["greedy_mismatches"])
     with pytest.raises(SystemExit, match="max_new_tokens"):
         run_bench(tiny_text_engine, ["chat"], ["ar"], 3, 6, journal=journal, resume=True)
+
+
+@pytest.mark.slow
+def test_the_gpu_check_dry_run_writes_every_part(tmp_path):
+    """`make gpu-check-dry`: the GPU check's own code on the CPU with tiny sizes, so the one
+    script a lent GPU runs has run end to end before (bench, step profile, load)."""
+    from dflash.bench import gpu_check
+
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path), "--threads", "2"]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert set(report["parts"]) == {"bench", "step_profile", "load"}
+    assert report["sizes"] == gpu_check.DRY and report["machine"]["device"] == "cpu"
+    assert {r["method"] for r in report["parts"]["bench"]["results"]} >= {"ar", "dflash-auto", "dflash-16"}
+    assert "Load through the socket" in (tmp_path / "gpu_check.md").read_text()

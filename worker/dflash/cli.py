@@ -7,7 +7,7 @@ import json
 import sys
 
 from dflash.errors import DFlashError
-from dflash.loading import RANDOM_DRAFTER_WARNING, add_model_args
+from dflash.loading import RANDOM_DRAFTER_WARNING, add_backend_args, add_model_args, check_backend_args
 from dflash.loading import engine_from_args
 
 def _ids(text: str) -> list[int]:
@@ -83,7 +83,7 @@ def cmd_models(args) -> int:
 def cmd_bench(args) -> int:
     from pathlib import Path
 
-    from dflash.bench.run import markdown, run_bench, write_report
+    from dflash.bench.run import markdown, reference_engine, run_bench, write_report
 
     from dflash.train.assistant import assistant_dir
 
@@ -92,7 +92,7 @@ def cmd_bench(args) -> int:
     engine = engine_from_args(args)
     methods = args.methods.split(",")
     peer = peer_for(args.target, args.drafter, methods, engine.block_size)
-    assistant = assistant_dir(args.assistant, engine.target.model, args.target is None) if (
+    assistant = assistant_dir(args.assistant, reference_engine(engine).target.model, args.target is None) if (
         "assisted-ar" in methods) else None
     suites = [s for s in args.suites.split(",") if s and s != "none"]
     report = run_bench(engine, suites, methods, args.limit, args.max_new_tokens,
@@ -115,8 +115,13 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from dflash.model_files import resolve_models
 
+    remote = check_backend_args(args)
+    if remote and args.learn:
+        raise DFlashError("bad_params", "--learn trains the worker's own drafter; with --backend openai the endpoint "
+                          "serves its drafter")
     engine = engine_from_args(args)
-    target_dir, drafter_dir, _ = resolve_models(args.target, args.drafter, quiet=True)
+    # The drafter folder reload_drafter reads again (the native engine's; the endpoint has its own).
+    target_dir, drafter_dir, _ = (None, None, None) if remote else resolve_models(args.target, args.drafter, quiet=True)
     embedder = None
     if not args.no_embedder:
         from dflash.embed import Embedder
@@ -233,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text with the speculative engine")
     add_model_args(p)
+    add_backend_args(p)
     add_generate_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -261,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the worker: load the models once, serve requests on a Unix socket")
     add_model_args(p)
+    add_backend_args(p)
     p.add_argument("--socket", default=DEFAULT_SOCKET, help=f"socket path (default {DEFAULT_SOCKET})")
     p.add_argument("--embedder", help="sentence-embedding model folder (default: all-MiniLM-L6-v2 from PyPI)")
     p.add_argument("--no-embedder", action="store_true", help="serve without an embedding model")

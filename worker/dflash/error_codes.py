@@ -7,8 +7,9 @@ bridge's SQLSTATEs and hints, the queue consumer's give-up-at-once list and the 
 source tree, the bridge and the docs to it. Stdlib only: PostgreSQL backends import it
 through the bridge.
 
-SQLSTATEs: bad input is 22023; DF000 (other worker errors), DF001 (the worker is down or
-stopping) and DF002 (its queue is full) are dflash's own class. A code the table does not
+SQLSTATEs: bad input is 22023; DF000 (other worker errors), DF001 (the worker, or the
+inference endpoint it sends requests to, is down or stopping) and DF002 (its queue is
+full) are dflash's own class. A code the table does not
 know becomes DF000.
 """
 
@@ -54,6 +55,8 @@ ERROR_CODES = (
     _bad("bad_stop", "stop strings or stop ids the target cannot use"),
     _bad("bad_prior", "prior is not {\"accepted\": [counts], \"judged\": [counts]} of numbers >= 0"),
     _bad("empty_text", "a text to embed is empty"),
+    _bad("unsupported_option", "an option the worker's inference endpoint cannot honour (--backend openai: "
+                               "block_size and so generate_block, verify)"),
     ErrorCode("context_exceeded", "54000", "the prompt plus max_new_tokens does not fit the target's context",
               "shorten the prompt or ask for fewer new tokens"),
     ErrorCode("frame_too_large", "54000", "a frame over the receiver's limit: a request over the worker's "
@@ -64,6 +67,9 @@ ERROR_CODES = (
               "dflash.set_config('socket_path', ...) at it"),
     ErrorCode("shutting_down", "DF001", "the worker is stopping and takes no new requests",
               "the dflash worker is stopping; start it again (dflash serve)"),
+    ErrorCode("endpoint_unavailable", "DF001", "the worker's inference endpoint (--backend openai) cannot be "
+              "reached, refuses the connection or says it is not ready, before anything was generated",
+              "start the inference server the worker's --endpoint names, or point the worker at one that runs"),
     ErrorCode("busy", "DF002", "the worker's queue is full",
               "the worker's queue is full; retry later or start it with a larger --max-queue"),
     ErrorCode("deadline", "57014", "the request passed its deadline (timeout_ms: the statement's timeout)",
@@ -80,6 +86,8 @@ ERROR_CODES = (
     _other("unknown_op", "an operation the worker does not know"),
     _other("duplicate_id", "a request id that is already in flight from the same client"),
     _other("forbidden_path", "reload_drafter: a path outside the worker's --drafter-root folders"),
+    _other("endpoint_error", "the worker's inference endpoint answered with an error or with something that is "
+                             "not its API, stopped answering, or broke off mid-answer"),
     _other("internal", "a bug in the worker: the request failed unexpectedly"),
     _other("closed", "the other side closed the connection (the client reports it as unavailable)"),
     _other("error", "an error answer that names no code"),

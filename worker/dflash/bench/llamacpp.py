@@ -1,4 +1,6 @@
-"""llama.cpp as a peer: its build, its converter, and its server as two bench methods.
+"""llama.cpp as a peer: its build, its converter, its server as two bench methods, and the
+same server as an endpoint for the worker's remote backend (`python -m dflash.bench.llamacpp
+serve --port P`: the default target and drafter; docs/scale-out.md).
 
 llama.cpp runs DFlash itself (src/models/dflash.cpp, the `draft-dflash` speculative type
 in common/speculative.cpp). We build it from the PyPI source distribution of
@@ -213,19 +215,26 @@ class Completion:
 
 
 class LlamaServer:
-    """One llama-server process: one slot, loopback only, greedy requests by token ids."""
+    """One llama-server process: loopback only by default, `parallel` slots of `ctx` tokens
+    each (the bench: one slot, greedy requests by token ids)."""
 
     def __init__(self, target: Path, threads: int, drafter: Path | None = None, draft_max: int = 15,
-                 ctx: int = 4096, log: Path | None = None):
-        self.port = free_port()
+                 ctx: int = 4096, log: Path | None = None, port: int | None = None, host: str = "127.0.0.1",
+                 parallel: int = 1, trace: bool = True):
+        self.port = port or free_port()
+        self.host = host
         self.log_path = log or home() / f"server-{'dflash' if drafter else 'ar'}.log"
-        cmd = [binary("llama-server"), "-m", target, "--host", "127.0.0.1", "--port", str(self.port),
-               "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", "1", "--no-webui"]
+        cmd = [binary("llama-server"), "-m", target, "--host", host, "--port", str(self.port),
+               "-t", str(threads), "-tb", str(threads), "-c", str(ctx * parallel), "-np", str(parallel),
+               "--no-webui", "--metrics"]
         if drafter is not None:
             cmd += ["-md", drafter, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_max),
                     "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
                     "--spec-draft-threads", str(threads), "--spec-draft-threads-batch", str(threads)]
-        env = dict(os.environ, LLAMA_TRACE="1")  # per-step "accepted a/n draft tokens" lines
+        env = dict(os.environ)
+        if trace:
+            env["LLAMA_TRACE"] = "1"  # per-step "accepted a/n draft tokens" lines
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen([str(c) for c in cmd], stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=_die_with_parent)
@@ -233,8 +242,13 @@ class LlamaServer:
         self._log_pos = 0
         self._wait_ready()
 
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
     def _url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+        return self.url + path
 
     def _wait_ready(self, timeout: float = 300) -> None:
         end = time.monotonic() + timeout
@@ -394,3 +408,80 @@ class LlamaCppPeer:
         for server in self.servers.values():
             server.close()
         self.servers.clear()
+
+
+# --- a server for the worker's remote backend ---------------------------------------------------
+
+
+def default_server(port: int | None = None, host: str = "127.0.0.1", threads: int | None = None, parallel: int = 1,
+                   ctx: int = 4096, speculative: bool = True, log: Path | None = None) -> LlamaServer:
+    """llama-server (built first if need be) with the default target as it ships (Q4_1) and,
+    when `speculative`, the shipped drafter as its DFlash draft model (its block less the
+    anchor drafted per step, as `llamacpp-dflash` runs it)."""
+    from dflash.engine.drafter_config import DrafterConfig
+    from dflash.model_files import default_drafter_dir, default_target_gguf
+
+    ensure_built()
+    target = default_target_gguf()
+    drafter, draft_max = None, 15
+    if speculative:
+        folder, is_random = default_drafter_dir()
+        if is_random:
+            raise DFlashError("bad_drafter", "no trained drafter ships in this checkout; serve with --no-drafter")
+        drafter = drafter_gguf(folder, target)
+        draft_max = DrafterConfig.from_dict(json.loads((folder / "config.json").read_text())).block_size - 1
+    return LlamaServer(target, threads or os.cpu_count() or 2, drafter, draft_max=draft_max, ctx=ctx, port=port,
+                       host=host, parallel=parallel, trace=False,
+                       log=log or home() / f"server-{port or 'serve'}.log")
+
+
+def serve(port: int, host: str = "127.0.0.1", threads: int | None = None, parallel: int = 1, ctx: int = 4096,
+          speculative: bool = True) -> int:
+    """`default_server` until this process is told to stop (SIGTERM, Ctrl-C) or its parent
+    dies, and the server with it."""
+    import signal
+
+    _die_with_parent()  # this process ends with whoever started it; the server ends with this one
+    server = default_server(port, host, threads, parallel, ctx, speculative)
+    stop = {"signal": None}  # until now a signal simply ended this process (and so the server)
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    print(f"llama-server ready at {server.url} ({parallel} slot(s), "
+          f"{'DFlash drafter' if server.speculative else 'no drafter'}; log {server.log_path})", flush=True)
+    try:
+        while stop["signal"] is None and server.proc.poll() is None:
+            time.sleep(0.2)
+    finally:
+        code = server.proc.poll()
+        server.close()
+    return 0 if stop["signal"] is not None else (code or 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dflash.bench.llamacpp",
+                                description="llama.cpp's llama-server, built from the llama-cpp-python sdist")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve the default target (Q4_1) with the shipped drafter as its DFlash draft "
+                       "model: an endpoint for `dflash serve --backend openai`")
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    s.add_argument("--threads", type=int, help="CPU threads for target and drafter (default: all)")
+    s.add_argument("--parallel", type=int, default=1, help="slots: requests decoded together (default 1)")
+    s.add_argument("--ctx", type=int, default=4096, help="context tokens per slot (default 4096)")
+    s.add_argument("--no-drafter", action="store_true", help="plain decoding, no speculative drafter")
+    args = p.parse_args(argv)
+    try:
+        return serve(args.port, args.host, args.threads, args.parallel, args.ctx, not args.no_drafter)
+    except DFlashError as exc:
+        print(f"dflash: error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

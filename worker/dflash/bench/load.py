@@ -235,6 +235,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, help="the started worker's torch threads")
     ap.add_argument("--device", help="the started worker's device (default cpu)")
     ap.add_argument("--dtype", help="the started worker's dtype (default float32)")
+    ap.add_argument("--target-backend", help="the started worker's target backend (default auto)")
     ap.add_argument("--target")
     ap.add_argument("--drafter")
     ap.add_argument("--out", default="bench-out/load")

@@ -60,10 +60,25 @@ def block_size_of(method: str) -> int | None:
 
 
 SUFFIX = "suffix"  # the suffix proposer alone, with the cost policy (dflash-auto: every proposer)
+# Plain decoding by this engine on the reference backend (transformers, fp32), whatever
+# backend the engine's target runs in: how far a quantized backend's output is from it.
+AR_REFERENCE = "ar-reference"
+HF_METHODS = ("ar-hf", "prompt-lookup", "assisted-ar", AR_REFERENCE)  # need the transformers model
 
 
 def is_engine_method(method: str) -> bool:
     return block_size_of(method) is not None or method in (AUTO, SUFFIX)
+
+
+def reference_engine(engine: Engine) -> Engine:
+    """`engine` itself when its target is the transformers one, else the same drafter over
+    the target's Hugging Face folder in fp32 (for ar-reference and transformers' methods)."""
+    if engine.target.backend == "hf":
+        return engine
+    from dflash.engine.target.hf import HFTarget
+
+    target = HFTarget.from_pretrained(engine.target.hf_dir)
+    return Engine(target, engine.drafter, engine.drafter_name, cost_curve=engine.cost_curve)
 
 
 @dataclass
@@ -110,7 +125,7 @@ class Runner:
         self.engine = engine
         self.peer = peer  # llama.cpp methods (dflash.bench.llamacpp.LlamaCppPeer), if any were asked for
         self.max_new = max_new
-        self.model = engine.target.model
+        self._reference = None
         self.eos = engine.target.eos_ids
         self.assistant = None
         if assistant_dir:
@@ -119,8 +134,18 @@ class Runner:
             self.assistant = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=engine.target.dtype).eval()
             self.assistant.to(engine.target.device)
 
+    @property
+    def reference(self) -> Engine:
+        if self._reference is None:
+            self._reference = reference_engine(self.engine)
+        return self._reference
+
+    @property
+    def model(self):
+        return self.reference.target.model
+
     def check(self, method: str) -> None:
-        if is_engine_method(method) or method in ("ar-hf", "prompt-lookup"):
+        if is_engine_method(method) or method in ("ar-hf", "prompt-lookup", AR_REFERENCE):
             return
         if is_peer_method(method):
             if self.peer is None:
@@ -138,6 +163,10 @@ class Runner:
             c = self.peer.run(method, prompt_ids, self.max_new)
             return Sample(c.tokens, c.wall_s, c.accepted, c.drafted)
         t = time.perf_counter()
+        if method == AR_REFERENCE:
+            res = self.reference.generate(GenerationRequest(input_ids=prompt_ids, max_new_tokens=self.max_new,
+                                                            block_size=1))
+            return Sample(res.output_ids, time.perf_counter() - t)
         if is_engine_method(method):
             res = self.engine.generate(GenerationRequest(
                 input_ids=prompt_ids, max_new_tokens=self.max_new, block_size=block_size_of(method),
@@ -153,7 +182,7 @@ class Runner:
         log = VerifyLog(self.model) if method in HF_SPECULATIVE else None
         try:
             with torch.inference_mode():
-                out = self.model.generate(torch.tensor([prompt_ids], device=self.engine.target.device),
+                out = self.model.generate(torch.tensor([prompt_ids], device=self.reference.target.device),
                                           max_new_tokens=self.max_new, do_sample=False, eos_token_id=self.eos,
                                           pad_token_id=self.eos[0], **kwargs)
             wall = time.perf_counter() - t
@@ -266,7 +295,8 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
     for m in methods:
         runner.check(m)
     peers = {m: peer.describe(m) for m in methods if is_peer_method(m)}
-    settings = {"target": engine.target.name, "drafter": engine.drafter_name, "assistant": assistant_dir,
+    settings = {"target": engine.target.name, "target_backend": engine.target.backend,
+                "drafter": engine.drafter_name, "assistant": assistant_dir,
                 "dtype": str(engine.target.dtype), "draft_dtype": str(engine.draft_dtype),
                 "device": str(engine.target.device), "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": max_new,
                 **({"peers": peers} if peers else {})}
@@ -298,7 +328,10 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
         outputs = {m: [s.output_ids for s in samples[m]] for m in methods}
         for method in methods:
             results.append(summarize(suite, method, samples[method], block_size_of(method), engine.block_size))
-        reference = outputs.get("ar-hf") or outputs.get("ar")
+        # Greedy output is checked against plain decoding on the same backend (a quantized
+        # backend is another numeric path); its agreement with the fp32 reference is reported.
+        reference = outputs.get("ar") or outputs.get("ar-hf")
+        fp32 = outputs.get(AR_REFERENCE) or outputs.get("ar-hf")
         rows = [r for r in results if r["suite"] == suite]
         tps = {r["method"]: r["tokens_per_s"] for r in rows}
         for r in rows:
@@ -307,6 +340,8 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
             r["greedy_mismatches"] = (
                 sum(a != b for a, b in zip(outputs[r["method"]], reference)) if reference is not None else None
             )
+            if r["method"] == "ar" and fp32 is not None and engine.target.backend != "hf":
+                r["fp32_agreement"] = sum(a == b for a, b in zip(outputs["ar"], fp32)) / len(fp32)
     log.close()
     if peer is not None:
         peer.close()
@@ -322,7 +357,8 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
         "drafter": engine.drafter_name,
         "random_drafter": engine.random_drafter,
         "max_new_tokens": max_new,
-        "greedy_reference": "ar-hf" if "ar-hf" in methods else "ar",
+        "greedy_reference": "ar" if "ar" in methods else "ar-hf",
+        "target_backend": engine.target.backend,
         **({"peers": peers} if peers else {}),  # the runtime and weight format of each llama.cpp row
         "results": results,
     }
@@ -334,7 +370,9 @@ def _fmt(x, spec):
 
 def markdown(report: dict) -> str:
     head = (
-        f"target {report['target']}, drafter {report['drafter']}"
+        f"target {report['target']}"
+        f"{' (' + report['target_backend'] + ' backend)' if report.get('target_backend', 'hf') != 'hf' else ''}"
+        f", drafter {report['drafter']}"
         f"{' (random weights)' if report['random_drafter'] else ''}, {report['dtype']}"
         f"{' (drafter ' + report['draft_dtype'] + ')' if report.get('draft_dtype') else ''} on {report['device']}, "
         f"{report['threads']} threads, {report['cpu']}, torch {report['torch']}, {report['date']}, "
@@ -351,6 +389,9 @@ def markdown(report: dict) -> str:
             f"{_fmt(r['speedup_vs_ar'], '.2f')} | {_fmt(r['speedup_vs_ar_hf'], '.2f')} | {_fmt(r['tau'], '.2f')} | "
             f"{_fmt(r['acceptance_rate'], '.3f')} | {r['greedy_mismatches']} |"
         )
+    agree = [f"{r['suite']} {r['fp32_agreement']:.0%}" for r in report["results"] if "fp32_agreement" in r]
+    if agree:
+        rows.append(f"\nPlain greedy output on this backend equal to the fp32 reference's, by prompt: {', '.join(agree)}.")
     return (head + "\n".join(rows) + "\n" + peer_notes(report.get("peers")) + position_table(report["results"])
             + verify_length_table(report["results"]))
 

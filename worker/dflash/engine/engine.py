@@ -144,7 +144,93 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-class Engine:
+class RequestChecks:
+    """A request's prompt and numbers checked against a target: what every engine that takes
+    GenerationRequests shares (this one, and dflash.remote's, which sends them on to an
+    inference server). Needs `self.target` (its `context_length` and `vocab_size`),
+    `self.tokenizer` and `self.block_size`."""
+
+    _max_token_chars: int | None = None
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (byte-level vocabularies: a vocabulary
+        entry's length bounds the bytes it covers), so a prompt's length in characters
+        bounds its token count from below without tokenising it."""
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+            self._max_token_chars = max((len(t) for t in vocab), default=1) or 1
+        return self._max_token_chars
+
+    def prompt_ids(self, req: GenerationRequest) -> list[int]:
+        if (req.prompt is None) == (req.input_ids is None):
+            raise DFlashError("bad_prompt", "give exactly one of a prompt text or input ids")
+        ctx = self.target.context_length
+        if req.input_ids is not None:
+            ids = req.input_ids
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise DFlashError("empty_prompt", "input ids are empty")
+            bad = [i for i in ids if not _is_int(i) or not 0 <= i < self.target.vocab_size]
+            if bad:
+                raise DFlashError(
+                    "bad_input_ids", f"input ids {bad[:5]} are outside the vocabulary [0, {self.target.vocab_size})"
+                )
+            return list(ids)
+        if not isinstance(req.prompt, str) or not req.prompt.strip():
+            raise DFlashError("empty_prompt", "the prompt is empty")
+        if self.tokenizer is None:
+            raise DFlashError("bad_prompt", "this target has no tokenizer; pass input ids instead")
+        # Refuse a prompt that cannot fit before tokenising it: tokenising megabytes would hold
+        # the engine for seconds, and every other caller with it.
+        at_least = math.ceil(len(req.prompt) / self.max_token_chars)
+        if at_least >= ctx:
+            raise DFlashError(
+                "context_exceeded",
+                f"prompt of {len(req.prompt)} characters is at least {at_least} tokens, past the context length {ctx}",
+            )
+        if req.chat:
+            if not self.tokenizer.chat_template:
+                raise DFlashError("bad_prompt", "this target's tokenizer has no chat template")
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": req.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        else:
+            ids = self.tokenizer(req.prompt).input_ids
+        return list(ids)
+
+    def validate(self, req: GenerationRequest, n_prompt: int) -> int | None:
+        """Check the request's numbers; returns the fixed block size, or None for auto."""
+        block = req.block_size
+        if block is not None and (not _is_int(block) or not 1 <= block <= self.block_size):
+            raise DFlashError(
+                "bad_block_size",
+                f"block size must be an integer from 1 to the drafter's {self.block_size} (or null: auto), got {block}",
+            )
+        if not _is_int(req.max_new_tokens) or req.max_new_tokens < 1:
+            raise DFlashError("bad_max_new_tokens", f"max_new_tokens must be an integer >= 1, got {req.max_new_tokens}")
+        ctx = self.target.context_length
+        if n_prompt + req.max_new_tokens > ctx:
+            raise DFlashError(
+                "context_exceeded",
+                f"prompt ({n_prompt} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds the context length {ctx}",
+            )
+        bad = [i for i in req.stop_ids if not _is_int(i) or not 0 <= i < self.target.vocab_size]
+        if bad:
+            raise DFlashError("bad_stop", f"stop ids {bad[:5]} are outside the vocabulary")
+        if any(not isinstance(s, str) or not s for s in req.stop):
+            raise DFlashError("bad_stop", "stop strings must be non-empty strings")
+        if req.stop and self.tokenizer is None:
+            raise DFlashError("bad_stop", "stop strings need a tokenizer")
+        check_prior(req.prior)
+        return block
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
+class Engine(RequestChecks):
+    endpoint = None  # the inference server an engine sends requests to (dflash.remote); None: it runs the models
+
     def __init__(
         self,
         target: Target,
@@ -240,83 +326,6 @@ class Engine:
         if n:
             self._drafting = n
 
-    # --- requests ---------------------------------------------------------------------
-
-    @property
-    def max_token_chars(self) -> int:
-        """The most characters one token can stand for (byte-level vocabularies: a vocabulary
-        entry's length bounds the bytes it covers), so a prompt's length in characters
-        bounds its token count from below without tokenising it."""
-        if self._max_token_chars is None:
-            vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
-            self._max_token_chars = max((len(t) for t in vocab), default=1) or 1
-        return self._max_token_chars
-
-    def prompt_ids(self, req: GenerationRequest) -> list[int]:
-        if (req.prompt is None) == (req.input_ids is None):
-            raise DFlashError("bad_prompt", "give exactly one of a prompt text or input ids")
-        ctx = self.target.context_length
-        if req.input_ids is not None:
-            ids = req.input_ids
-            if not isinstance(ids, (list, tuple)) or not ids:
-                raise DFlashError("empty_prompt", "input ids are empty")
-            bad = [i for i in ids if not _is_int(i) or not 0 <= i < self.target.vocab_size]
-            if bad:
-                raise DFlashError(
-                    "bad_input_ids", f"input ids {bad[:5]} are outside the vocabulary [0, {self.target.vocab_size})"
-                )
-            return list(ids)
-        if not isinstance(req.prompt, str) or not req.prompt.strip():
-            raise DFlashError("empty_prompt", "the prompt is empty")
-        if self.tokenizer is None:
-            raise DFlashError("bad_prompt", "this target has no tokenizer; pass input ids instead")
-        # Refuse a prompt that cannot fit before tokenising it: tokenising megabytes would hold
-        # the engine for seconds, and every other caller with it.
-        at_least = math.ceil(len(req.prompt) / self.max_token_chars)
-        if at_least >= ctx:
-            raise DFlashError(
-                "context_exceeded",
-                f"prompt of {len(req.prompt)} characters is at least {at_least} tokens, past the context length {ctx}",
-            )
-        if req.chat:
-            if not self.tokenizer.chat_template:
-                raise DFlashError("bad_prompt", "this target's tokenizer has no chat template")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": req.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        else:
-            ids = self.tokenizer(req.prompt).input_ids
-        return list(ids)
-
-    def validate(self, req: GenerationRequest, n_prompt: int) -> int | None:
-        """Check the request's numbers; returns the fixed block size, or None for auto."""
-        block = req.block_size
-        if block is not None and (not _is_int(block) or not 1 <= block <= self.block_size):
-            raise DFlashError(
-                "bad_block_size",
-                f"block size must be an integer from 1 to the drafter's {self.block_size} (or null: auto), got {block}",
-            )
-        if not _is_int(req.max_new_tokens) or req.max_new_tokens < 1:
-            raise DFlashError("bad_max_new_tokens", f"max_new_tokens must be an integer >= 1, got {req.max_new_tokens}")
-        ctx = self.target.context_length
-        if n_prompt + req.max_new_tokens > ctx:
-            raise DFlashError(
-                "context_exceeded",
-                f"prompt ({n_prompt} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds the context length {ctx}",
-            )
-        bad = [i for i in req.stop_ids if not _is_int(i) or not 0 <= i < self.target.vocab_size]
-        if bad:
-            raise DFlashError("bad_stop", f"stop ids {bad[:5]} are outside the vocabulary")
-        if any(not isinstance(s, str) or not s for s in req.stop):
-            raise DFlashError("bad_stop", "stop strings must be non-empty strings")
-        if req.stop and self.tokenizer is None:
-            raise DFlashError("bad_stop", "stop strings need a tokenizer")
-        check_prior(req.prior)
-        return block
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-
     # --- block-length policy --------------------------------------------------------------
 
     def prior_for(self, req: GenerationRequest) -> Prior:
@@ -379,6 +388,10 @@ class Engine:
             state.proposals[SUFFIX] = self.suffix.start(state)
         return state
 
+    def knows_workload(self, key: str) -> bool:
+        """Whether this engine holds a memory of the workload (else a request must bring its history)."""
+        return key in self.workloads.workloads
+
     def _workload(self, req: GenerationRequest) -> str | None:
         """The request's workload key, its memory loaded (from the history it brings) if this
         engine has none yet; DFlashError need_history when it has none and brings none."""
@@ -402,7 +415,11 @@ class Engine:
         """One step for every state (none done): one target forward for all of them.
         `budget`: the most tokens that forward may take (prefill chunks fill what decoding
         leaves; None: whole prompts at once)."""
-        return step_mod.step(self, states, budget)
+        results = step_mod.step(self, states, budget)
+        for state in states:
+            if state.done:  # its KV memory is not needed again: free it now, not when its call ends
+                self.target.free(state.seq)
+        return results
 
     def release(self, state: DecodeState) -> None:
         """Free a state's memory (a request that ends early: cancelled, past its deadline)."""
@@ -429,10 +446,12 @@ class Engine:
         return self.finish(state)
 
     def generate_many(self, reqs: list[GenerationRequest], budget: int | None = None) -> list[GenerationResult]:
-        """Several requests as one batch: every step serves all that are not done."""
+        """Several requests as one batch: every step serves all that are not done (at most
+        the target's `max_sequences` at once, earliest first, where it has such a bound)."""
         states = [self.admit(r) for r in reqs]
+        cap = getattr(self.target, "max_sequences", None) or len(states)
         while True:
-            live = [s for s in states if not s.done]
+            live = [s for s in states if not s.done][:cap]
             if not live:
                 break
             self.step(live, budget)

@@ -75,6 +75,12 @@ class Scheduler:
         if max_batch < 1 or step_tokens < 1:
             raise DFlashError("bad_params", "max_batch and step_tokens must be >= 1")
         self.engine = engine
+        # A backend that holds KV memory for a bounded number of sequences (llama.cpp) caps
+        # the batch: a finished state frees its sequence at once, so the queue moves on.
+        capacity = getattr(getattr(engine, "target", None), "max_sequences", None)
+        if capacity is not None and max_batch > capacity:
+            log.info("batch capped at %d: the %s backend's sequences", capacity, engine.target.backend)
+            max_batch = capacity
         self.max_batch = max_batch
         self.step_tokens = step_tokens
         engine.max_batch = max_batch
@@ -220,7 +226,8 @@ class Scheduler:
             try:
                 ticket.done(ticket.states, ticket.last)
             except Exception as exc:  # a bug in the answer must not kill the loop
-                log.exception("answering a ticket failed")
+                if not isinstance(exc, DFlashError):  # else an answer that failed on its own terms (a remote error)
+                    log.exception("answering a ticket failed")
                 self._fail(ticket, exc, listed=False)
 
     def _fail(self, ticket: Ticket, exc: Exception, listed: bool = True) -> None:

@@ -121,6 +121,9 @@ class Answers:
         elif job.op == "generate_block":
             embedder, one_step = None, True
             block = params.get("block_size")
+            if self.engine.block_size is None:
+                raise DFlashError("unsupported_option", "generate_block shows one block of this worker's drafter; with "
+                                  "--backend openai the inference endpoint drafts, by its own blocks")
             params["block_size"] = self.engine.block_size if block is None else block
             if isinstance(params["block_size"], int) and not isinstance(params["block_size"], bool):
                 params["max_new_tokens"] = params["block_size"] + 1  # the first token, then one block

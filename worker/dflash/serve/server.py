@@ -307,7 +307,7 @@ class Worker:
 
     def knows_workload(self, key: str) -> bool:
         """Whether the engine holds a memory of this workload (else a request needs its history)."""
-        return key in self.engine.workloads.workloads
+        return self.engine.knows_workload(key)
 
     def require_embedder(self):
         if self.embedder is None:
@@ -332,6 +332,8 @@ class Worker:
             "drafter": drafter.name,
             "drafter_version": drafter.version,
             "random_drafter": self.engine.random_drafter,
+            # what computed it (dflash.generations.backend): "hf" here, "openai/llama.cpp" or "openai" remote
+            "backend": self.engine.target.backend,
         }
 
     def status(self) -> dict:
@@ -345,9 +347,14 @@ class Worker:
                 "embedder": self.embedder.name if self.embedder else None,
                 "embedding_dim": self.embedder.dim if self.embedder else None,
                 "device": str(self.engine.target.device),
-                "dtype": str(self.engine.target.dtype).replace("torch.", ""),
-                "draft_dtype": str(self.engine.draft_dtype).replace("torch.", ""),
-                "target_backend": getattr(self.engine.target, "backend", "hf"),
+                "dtype": _dtype_name(self.engine.target.dtype),
+                "draft_dtype": _dtype_name(self.engine.draft_dtype),
+                "target_backend": self.engine.target.backend,
+                # how it was chosen (--target-backend auto: the measured step of each candidate)
+                "target_backend_choice": getattr(self.engine.target, "selection", None),
+                # None: this process runs the models; else the inference server that does (--backend openai)
+                "endpoint": self.engine.endpoint,
+                "model": self.engine.target.name,
                 "threads": torch.get_num_threads(),
                 "block_size": self.engine.block_size,
                 "cost_curve": self.engine.cost_curve.to_dict(),
@@ -367,6 +374,10 @@ class Worker:
                 "drafter_sha256": self.engine.drafter_sha256,
                 "learn": self.learner.status() if self.learner is not None else None,
             }
+
+
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).replace("torch.", "")
 
 
 class _Idle(Exception):

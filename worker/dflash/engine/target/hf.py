@@ -181,7 +181,8 @@ class HFTarget:
         return HFSequence([None] * self.num_layers, [None] * self.num_layers)
 
     def free(self, seq: HFSequence) -> None:
-        seq.keys, seq.values, seq.length = [], [], 0
+        """Drop its K/V (the handle stays usable: an empty sequence again)."""
+        seq.keys, seq.values, seq.length = [None] * self.num_layers, [None] * self.num_layers, 0
 
     @staticmethod
     def rollback(seq: HFSequence, length: int) -> None:
