@@ -119,7 +119,7 @@ def test_published_drafter_round_trips_and_drafts_like_the_reference(capsys, sha
     rec = json.loads((shared / "fixtures/zlab-compat/golden.json").read_text())["records"][2]
     rc = main(["generate", "--drafter", str(path), "--input-ids", ",".join(map(str, rec["input_ids"])),
                "--block-size", str(rec["block_size"]), "--max-new-tokens", "16", "--json",
-               "--draft-dtype", "float32"])  # the reference drafted in fp32
+               "--draft-dtype", "float32", "--target-backend", "hf"])  # the reference: fp32, transformers
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["drafter"] == "zlab.gguf"
     assert rec["input_ids"] + out["output_ids"] == rec["output_ids"][: len(rec["input_ids"]) + 16]

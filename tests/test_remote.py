@@ -125,7 +125,7 @@ def test_sql_generate_equals_the_servers_own_answer(db, llama, engine):
 
 
 def test_the_worker_status_names_the_endpoint(db, llama):
-    status = json.loads(db.execute("SELECT dflash_worker_status()").fetchone()[0])
+    status = db.execute("SELECT dflash_worker_status()").fetchone()[0]  # jsonb: a dict
     assert status["endpoint"] == llama.url and status["target_backend"] == "openai/llama.cpp"
     assert status["model"] and status["block_size"] is None and status["ready"]
 
@@ -225,7 +225,7 @@ def test_endpoint_killed_mid_call_then_down(pg_server, pg_dsn, smol_dir, embedde
                     conn.execute(f"SELECT dflash_generate('{HAIKU}')")
                 assert err.value.sqlstate == "DF001" and "endpoint_unavailable" in err.value.diag.message_detail
                 assert conn.execute("SELECT count(*) FROM dflash.generations").fetchone()[0] == rows
-                assert json.loads(conn.execute("SELECT dflash_worker_status()").fetchone()[0])["ready"]
+                assert conn.execute("SELECT dflash_worker_status()").fetchone()[0]["ready"]
             finally:
                 conn.execute("SELECT dflash.set_config('socket_path', %s)", (before,))
     finally:

@@ -193,13 +193,25 @@ def check_backend_args(args) -> bool:
     return remote
 
 
+def _default_gguf() -> Path | None:
+    """The embedded target's shipped GGUF, where its package is installed (an image may hold
+    only the converted folder: then the llamacpp backend is simply not a candidate)."""
+    from dflash.model_files import default_target_gguf
+
+    try:
+        path = default_target_gguf()
+    except DFlashError:
+        return None
+    return path if path.is_file() else None
+
+
 def engine_from_args(args):
     """The engine the options ask for: the native one over `add_model_args`'s models (the
     embedded defaults unless named), or with `--backend openai` the remote one, which loads
     only the target's tokenizer."""
     import torch
 
-    from dflash.model_files import cost_dir, default_target_gguf, ensure_default_target, resolve_models
+    from dflash.model_files import cost_dir, ensure_default_target, resolve_models
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -211,7 +223,7 @@ def engine_from_args(args):
     target, drafter, is_random = resolve_models(args.target, args.drafter)
     if is_random:
         print(RANDOM_DRAFTER_WARNING, file=sys.stderr)
-    gguf = getattr(args, "target_gguf", None) or (default_target_gguf() if args.target is None else None)
+    gguf = getattr(args, "target_gguf", None) or (_default_gguf() if args.target is None else None)
     return load_engine(target, drafter, device=args.device, dtype=args.dtype, random_drafter=is_random,
                        cost_dir=cost_dir(), draft_dtype=args.draft_dtype,
                        target_backend=getattr(args, "target_backend", "auto"), target_gguf=gguf)
