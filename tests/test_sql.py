@@ -289,3 +289,12 @@ def test_users_cannot_move_the_socket(roles, sql_worker, query):
         assert bob.execute("SELECT value FROM dflash.config WHERE key = 'socket_path'").fetchone()[0].endswith(
             "worker.sock")
         assert bob.execute("SELECT dflash_worker_status()->>'target'").fetchone()[0] == "tiny"
+
+
+@pytest.mark.parametrize("extreme", ["temperature => 1e-300, seed => 1", "temperature => 1, top_p => 1e-300"])
+def test_extreme_sampling_parameters_generate_instead_of_failing(db, extreme):
+    """Once DF000 (a NaN in the sampler): a temperature that rounds to 0 is greedy, a top_p that
+    rounds to 0 keeps the top token; both are the greedy output here."""
+    got = db.execute(f"SELECT dflash_generate_stats('hi', max_new_tokens => 4, {extreme})").fetchone()[0]
+    greedy = db.execute("SELECT dflash_generate_stats('hi', max_new_tokens => 4)").fetchone()[0]
+    assert len(got["output_ids"]) == 4 and got["output_ids"] == greedy["output_ids"]

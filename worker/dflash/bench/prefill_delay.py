@@ -27,7 +27,7 @@ from dflash.engine.knobs import DEFAULT_STEP_TOKENS
 
 def _requests(engine, n: int, prompt_tokens: int):
     vocab = engine.target.vocab_size
-    short = [GenerationRequest(input_ids=[(100 + 7 * i + j) % vocab for j in range(32)], max_new_tokens=100000,
+    short = [GenerationRequest(input_ids=[(100 + 7 * i + j) % vocab for j in range(32)], max_new_tokens=512,
                                block_size=1) for i in range(n)]
     long = GenerationRequest(input_ids=[(500 + 13 * j) % vocab for j in range(prompt_tokens)], max_new_tokens=1,
                              block_size=1)

@@ -77,8 +77,11 @@ def reference_engine(engine: Engine) -> Engine:
         return engine
     from dflash.engine.target.hf import HFTarget
 
+    import copy
+
     target = HFTarget.from_pretrained(engine.target.hf_dir)
-    return Engine(target, engine.drafter, engine.drafter_name, cost_curve=engine.cost_curve)
+    # A copy: an Engine moves its drafter to its own dtype, which must not change the other's.
+    return Engine(target, copy.deepcopy(engine.drafter), engine.drafter_name, cost_curve=engine.cost_curve)
 
 
 @dataclass

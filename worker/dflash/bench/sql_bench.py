@@ -20,6 +20,7 @@ import torch
 
 from dflash.bench.timing import interleaved_medians_ms, write_json_report
 from dflash.embed import Embedder
+from dflash.engine.knobs import DEFAULT_MAX_BATCH
 from dflash.loading import load_engine
 from dflash.localpg import start_local_cluster
 from dflash.model_files import resolve_models
@@ -40,7 +41,8 @@ def measure_queue(conn, worker, server, args) -> dict:
         for i in range(args.rows):
             conn.execute("INSERT INTO bench_rows (prompt) VALUES (%s)",
                          (f"Write one sentence about the number {i}.",))
-    consumer = QueueConsumer(worker, server.dsn(user="dflash_worker"), poll_s=0.2)
+    # Claiming as `dflash serve --database` does by default: up to the batch's size at once.
+    consumer = QueueConsumer(worker, server.dsn(user="dflash_worker"), poll_s=0.2, batch=DEFAULT_MAX_BATCH)
     t = time.perf_counter()
     consumer.start()
     while conn.execute("SELECT count(*) FROM bench_rows WHERE answer IS NULL").fetchone()[0]:
