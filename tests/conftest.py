@@ -160,6 +160,15 @@ def tiny_text_engine(smol_dir):
     return Engine(target, init_random_drafter(tiny_drafter_config(vocab=vocab), seed=1, std=0.3), "tiny-drafter")
 
 
+def assert_bad_target(make, path) -> None:
+    """`make()` fails with a clean bad_target error that names `path`."""
+    from dflash.errors import DFlashError
+
+    with pytest.raises(DFlashError) as err:
+        make()
+    assert err.value.code == "bad_target" and str(path) in err.value.message, err.value.message
+
+
 @pytest.fixture(scope="session")
 def embedder():
     from dflash.embed import Embedder

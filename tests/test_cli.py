@@ -64,18 +64,34 @@ def test_input_ids_and_block_size_one(smol_dir):
     assert out["prompt_ids"] == [504, 2365, 6354] and len(out["output_ids"]) == 4
 
 
-@pytest.mark.parametrize(
-    "args, words",
-    [
-        (["--prompt", "  "], "prompt is empty"),
-        (["--input-ids", "1,99999999"], "outside the vocabulary"),
-        (["--prompt", "x", "--block-size", "17"], "block size"),
-        (["--prompt", "x", "--temperature", "-1"], "temperature"),
-        (["--prompt", "x", "--max-new-tokens", "100000"], "context length"),
-        (["--prompt", "x", "--drafter", "/nonexistent"], "not found"),
-    ],
-)
-def test_bad_input_is_one_clean_line(smol_dir, args, words):
+BAD_INPUT = [
+    (["--prompt", "  "], "prompt is empty"),
+    (["--input-ids", "1,99999999"], "outside the vocabulary"),
+    (["--prompt", "x", "--block-size", "17"], "block size"),
+    (["--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["--prompt", "x", "--max-new-tokens", "100000"], "context length"),
+    (["--prompt", "x", "--drafter", "/nonexistent"], "not found"),
+]
+
+
+@pytest.mark.parametrize("args, words", BAD_INPUT)
+def test_bad_input_is_one_clean_line_before_any_model_loads(smol_dir, monkeypatch, capsys, args, words):
+    """In this process (the command's own `main`), with loading the models made to fail: each
+    bad input is refused from the options and the model folders' config files alone. The
+    command run as a process, exit status and stderr, is the test below."""
+    from dflash import cli
+
+    def no_loading(_args):
+        raise AssertionError("a bad request loaded the models")
+
+    monkeypatch.setattr(cli, "engine_from_args", no_loading)
+    assert cli.main(["generate", *args]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "dflash: error:" in err
+
+
+def test_bad_input_from_the_command_line_exits_2_with_one_clean_line(smol_dir):
+    args, words = BAD_INPUT[3]
     proc = dflash("generate", *args)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

@@ -134,31 +134,14 @@ def test_greedy_with_drafts_is_the_backends_plain_greedy_output(lc_engine, block
 
 
 def test_bad_model_files_are_clean_errors_naming_the_file(tmp_path, smol_dir, lc_target):
+    from tests.conftest import assert_bad_target
+
     corrupt = tmp_path / "broken.gguf"
     corrupt.write_bytes(b"GGUF" + b"\0" * 64)
-    with pytest.raises(DFlashError) as err:
-        llamacpp.LlamaCppTarget(corrupt, smol_dir, threads=1)
-    assert err.value.code == "bad_target" and str(corrupt) in err.value.message
-    with pytest.raises(DFlashError) as err:
-        llamacpp.LlamaCppTarget(tmp_path / "missing.gguf", smol_dir, threads=1)
-    assert err.value.code == "bad_target" and "missing.gguf" in err.value.message
+    for path in (corrupt, tmp_path / "missing.gguf"):
+        assert_bad_target(lambda: llamacpp.LlamaCppTarget(path, smol_dir, threads=1), path)
     seq = lc_target.new_sequence()
     with pytest.raises(DFlashError) as err:  # the last layer's output has no layer input to capture
         lc_target.forward_batch([TargetRow(seq, [1, 2], 1)], (lc_target.num_layers - 1,))
     assert err.value.code == "incompatible_drafter"
     lc_target.free(seq)
-
-
-def test_auto_measures_and_caches_its_choice(tmp_path, smol_dir, gguf):
-    from dflash.loading import load_target
-
-    first = load_target(smol_dir, backend="auto", gguf=gguf, layer_ids=LAYERS, cost_dir=tmp_path)
-    assert first.selection["how"] == "measured at start" and set(first.selection["step_ms"]) == {"hf", "llamacpp"}
-    ms = first.selection["step_ms"]
-    assert first.backend == min(ms, key=ms.get)
-    del first
-    again = load_target(smol_dir, backend="auto", gguf=gguf, layer_ids=LAYERS, cost_dir=tmp_path)
-    assert again.selection["how"].startswith("measured earlier") and again.backend == min(ms, key=ms.get)
-    with pytest.raises(DFlashError) as err:
-        load_target(smol_dir, backend="llamacpp", gguf=None)
-    assert err.value.code == "bad_target" and "GGUF" in err.value.message

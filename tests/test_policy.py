@@ -59,9 +59,28 @@ def _first_probe(policy: BlockPolicy, steps: int = 200) -> int | None:
 def test_an_informed_prior_that_drafting_does_not_pay_starts_with_a_long_gap():
     """Evidence already in the prior (never kept, judged 1000 times) replaces the early
     probes; a thin prior (a few judged drafts, never kept) probes at probe_after."""
-    assert _first_probe(_policy(0.0)) == CFG.informed_gap
-    assert _first_probe(_policy(0.0, strength=CFG.informed_prior_steps / 2)) == CFG.probe_after
+    informed, thin = _policy(0.0), _policy(0.0, strength=CFG.informed_prior_steps / 2)
+    floor = informed._probe_floor(informed.prices)  # what a failed probe's price allows (probe_overhead)
+    assert _first_probe(informed) == max(CFG.informed_gap, floor)
+    assert _first_probe(thin) == max(CFG.probe_after, floor) <= max(CFG.informed_gap, floor)
     assert _first_probe(_policy(None)) == 0  # a default prior (a first draft kept half the time) drafts at once
+
+
+def test_probes_are_spaced_by_what_a_failed_one_costs():
+    """Where a probe costs little (verifying 3 for 1.1 plain steps) it comes after a few plain
+    steps; where verifying pays every row in full (llama.cpp's Q4_1 on an AVX2 CPU) failed
+    probes are kept under probe_overhead of the time; where even drafts that are always kept
+    cannot pay, there are none."""
+    import math
+
+    rowwise = CostCurve([1.0 + 0.9 * i for i in range(8)], [0.0] + [0.3] * 7)
+    policy = _policy(0.0, costs=rowwise, strength=CFG.informed_prior_steps / 2)
+    excess = rowwise.step_s(CFG.probe_len, CFG.probe_len) / rowwise.verify_s[0] - 1
+    assert policy.probe_gap == math.ceil(excess / CFG.probe_overhead) > CFG.informed_gap
+    assert _first_probe(policy, steps=400) == policy.probe_gap
+    hopeless = CostCurve([1.0 + 1.1 * i for i in range(8)], [0.0] + [0.1] * 7)
+    assert _first_probe(_policy(0.0, costs=hopeless, strength=4), steps=400) is None
+    assert _policy(0.0, costs=hopeless).probe_gap == math.inf
 
 
 def test_always_kept_means_the_full_block():
@@ -258,3 +277,13 @@ def test_cached_curve_measured_under_load_is_measured_again(tmp_path, tiny_engin
     cheap = _scaled(real, 0.05)
     path.write_text(json.dumps(cheap.to_dict()))
     assert load_or_measure(tiny_engine, tmp_path) == cheap and len(calls) == 1
+
+
+def test_pending_context_rows_are_priced_into_a_draft():
+    """A request that decoded plainly for a while brings every row since to its next drafter
+    pass: at a price per row, enough of them make a draft that would pay not pay."""
+    priced = CostCurve(CPU.verify_s, CPU.draft_s, context_row_s=0.05)
+    policy = _policy(0.6, costs=priced, strength=8)
+    assert policy.plan(None, 0.0, True, pending_rows=1)[0] == "dflash"
+    assert policy.plan(None, 0.0, True, pending_rows=200) == (None, 1)
+    assert policy.plan(None, 0.0, True, pending_rows=1)[0] == "dflash"  # fewer rows: decided afresh

@@ -48,9 +48,59 @@ def request_from_args(args):
                              **{o.name: getattr(args, o.name) for o in GENERATION_OPTIONS})
 
 
+def check_before_loading(args, req) -> None:
+    """Refuse a request that cannot succeed before any model loads: the engine's own checks
+    (dflash.engine.engine.RequestChecks, the sampling options' bounds) over what the model
+    folders' config files say (the target's context length and vocabulary, the drafter's
+    block size), so a bad option costs a moment, not the models' load (and at a first start
+    the backends' measurement). Only what the loaded engine would refuse too: a prompt text
+    is at least one token, and no target backend's context is longer than the config's.
+    What needs the tokenizer or the weights is left to the engine."""
+    import json
+    from dataclasses import replace
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from dflash.engine.drafter_config import DrafterConfig
+    from dflash.engine.engine import RequestChecks
+    from dflash.model_files import resolve_models
+
+    req.sampling()  # temperature, top_k, top_p, seed, verify
+    if check_backend_args(args):  # the endpoint's model is not here to read
+        return
+    target_dir, drafter, _ = resolve_models(args.target, args.drafter, quiet=True)
+    drafter = Path(drafter)
+    if not drafter.exists():
+        raise DFlashError("bad_drafter", f"drafter not found: {drafter}")
+    try:
+        cfg = json.loads((Path(target_dir) / "config.json").read_text())
+        # A limit the file does not state plainly (another key, a nested config) is not checked here.
+        limits = SimpleNamespace(**{name: int(cfg[key]) if isinstance(cfg.get(key), int) else sys.maxsize
+                                    for name, key in (("context_length", "max_position_embeddings"),
+                                                      ("vocab_size", "vocab_size"))})
+    except (OSError, ValueError, TypeError, AttributeError):
+        return  # not a folder these checks can read: the loader says what is wrong with it
+    checks = RequestChecks()
+    checks.target = limits
+    checks.tokenizer = "not loaded"  # stop strings are checked as strings here; the tokenizer's part is the engine's
+    checks.block_size = DrafterConfig.from_file(drafter / "config.json").block_size if drafter.is_dir() else None
+    if checks.block_size is None:  # a .gguf or .onnx drafter: its block size is checked when it loads
+        req = replace(req, block_size=None)
+    if req.input_ids is not None or req.prompt is None or not str(req.prompt).strip():
+        n_prompt = len(checks.prompt_ids(req))  # the ids, or the refusal of no prompt or an empty one
+    else:
+        n_prompt = 1  # at least (it is tokenised once the target's tokenizer is loaded)
+        if isinstance(req.max_new_tokens, int) and req.max_new_tokens >= limits.context_length:
+            raise DFlashError("context_exceeded", f"max_new_tokens ({req.max_new_tokens}) leaves no room for the "
+                              f"prompt in the context length {limits.context_length}")
+    checks.validate(req, n_prompt)
+
+
 def cmd_generate(args) -> int:
+    req = request_from_args(args)
+    check_before_loading(args, req)
     engine = engine_from_args(args)
-    result = engine.generate(request_from_args(args))
+    result = engine.generate(req)
     if args.json:
         out = result.to_dict()
         out.update(target=engine.target.name, drafter=engine.drafter_name, random_drafter=engine.random_drafter)
@@ -71,9 +121,14 @@ def cmd_generate(args) -> int:
 def cmd_models(args) -> int:
     from dflash.model_files import ensure_default_drafter, ensure_default_target
 
+    from dflash.convert.onnx_target import builder_version, ensure_export
+    from dflash.model_files import onnx_export_dir
+
     target = ensure_default_target()
     drafter, is_random = ensure_default_drafter(target)
     info = {"target": str(target), "drafter": str(drafter), "random_drafter": is_random}
+    if builder_version() is not None:  # the ort backend's int8 export, made now rather than at the first start
+        info["target_onnx"] = str(ensure_export(target, onnx_export_dir(target), quiet=False))
     print(json.dumps(info) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
     if is_random:
         print(RANDOM_DRAFTER_WARNING, file=sys.stderr)

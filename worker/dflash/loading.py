@@ -62,17 +62,21 @@ def load_versioned(path: str | Path, device="cpu", dtype=None) -> tuple[object, 
     return model, model_digest(model)
 
 
-TARGET_BACKENDS = ("auto", "hf", "llamacpp")
+TARGET_BACKENDS = ("auto", "hf", "llamacpp", "ort")
 
 
 def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "float32", random_drafter=False,
                 cost_dir: Path | None = None, draft_dtype: str | None = None, target_backend: str = "auto",
-                target_gguf: Path | None = None):
+                target_gguf: Path | None = None, draft_vocab: str | None = "auto"):
     """An Engine over the target folder and the drafter (any format), on `device` in `dtype`.
     The target runs in `target_backend` (dflash.engine.target: hf, the reference; llamacpp,
-    the GGUF `target_gguf` in llama.cpp on a CPU); auto takes the fastest one available here."""
+    the GGUF `target_gguf` in llama.cpp; ort, an int8 ONNX export in ONNX Runtime; the last
+    two on a CPU); auto takes the one this machine runs fastest (see `fastest_engine`).
+    `draft_vocab`: the drafter's draft vocabulary (dflash.engine.draft_vocab: auto, full or
+    a file)."""
     import torch
 
+    from dflash.engine import draft_vocab as vocab_file
     from dflash.engine.engine import DTYPES, Engine
     from dflash.errors import DFlashError
 
@@ -82,72 +86,127 @@ def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "floa
         raise DFlashError("bad_device", "device 'cuda' was asked for but no CUDA device is available")
     if device != "cpu" and not device.startswith("cuda"):
         raise DFlashError("bad_device", f"device must be 'cpu' or 'cuda[:N]', got '{device}'")
+    if target_backend not in TARGET_BACKENDS:
+        raise DFlashError("bad_params",
+                          f"--target-backend must be one of {', '.join(TARGET_BACKENDS)}, got '{target_backend}'")
     drafter, sha = load_versioned(drafter_dir, device=device, dtype=DTYPES[dtype])
-    layer_ids = tuple(drafter.config.target_layer_ids)
-    target = load_target(target_dir, device, dtype, target_backend, target_gguf, layer_ids, cost_dir)
-    return Engine(target, drafter, drafter_name=Path(drafter_dir).name, random_drafter=random_drafter,
-                  cost_dir=cost_dir, drafter_sha256=sha, draft_dtype=draft_dtype)
+    vocab = vocab_file.for_drafter(drafter_dir if Path(drafter_dir).is_dir() else None, draft_vocab)
+    builders = target_builders(target_dir, device, dtype, target_gguf)
+
+    def engine_over(target, draft_dtype=draft_dtype):
+        return Engine(target, drafter, drafter_name=Path(drafter_dir).name, random_drafter=random_drafter,
+                      cost_dir=cost_dir, drafter_sha256=sha, draft_dtype=draft_dtype, draft_vocab=vocab)
+
+    if target_backend != "auto":
+        target = builders[target_backend]()
+        target.selection = {"backend": target.backend, "how": "asked for (--target-backend)"}
+        return engine_over(target)
+    runnable = [name for name, build in builders.items() if build.why_not is None and build.ready]
+    if runnable == ["hf"]:
+        target = builders["hf"]()
+        target.selection = {"backend": "hf", "how": "the only backend ready for this device, dtype and target",
+                            "not_candidates": {k: b.why_not or "not prepared (dflash models, or --target-backend "
+                                               f"{k} once)" for k, b in builders.items() if k != "hf"}}
+        return engine_over(target)
+    return fastest_engine({k: builders[k] for k in runnable}, engine_over, target_dir, cost_dir)
 
 
-def load_target(target_dir, device: str = "cpu", dtype: str = "float32", backend: str = "auto",
-                gguf: Path | None = None, layer_ids: tuple[int, ...] = (), cost_dir: Path | None = None):
-    """The target in the backend asked for; `auto`: the fastest of those that can run it here
-    (dflash.engine.target.fastest: measured once per machine, cached, spot-checked). The
-    backend and why it was chosen are in the target's `selection` (the worker's status)."""
+class _Builder:
+    """Makes one backend's target. `why_not`: why it cannot run here (None: it can);
+    `ready`: whether it can start without preparing its model first (auto takes only those:
+    llama.cpp needs a GGUF, ort an export that `dflash models` or a first
+    `--target-backend ort` makes)."""
+
+    def __init__(self, make, why_not: str | None, ready: bool = True):
+        self.make, self.why_not, self.ready = make, why_not, ready
+
+    def __call__(self):
+        if self.why_not is not None:
+            raise DFlashError("bad_target", f"this target backend cannot run here: {self.why_not}")
+        return self.make()
+
+
+def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", gguf: Path | None = None) -> dict:
+    """Every target backend's builder for this target, device and dtype (see _Builder)."""
     import torch
 
+    from dflash.convert.onnx_target import builder_version, ensure_export, is_current
     from dflash.engine.engine import DTYPES
-    from dflash.engine.target import fastest, llamacpp
+    from dflash.engine.target import llamacpp, ort
     from dflash.engine.target.hf import HFTarget
+    from dflash.model_files import onnx_export_dir
 
-    if backend not in TARGET_BACKENDS:
-        raise DFlashError("bad_params", f"--target-backend must be one of {', '.join(TARGET_BACKENDS)}, got '{backend}'")
+    cpu32 = None if device == "cpu" and dtype == "float32" else f"it runs float32 on a CPU (asked: {dtype} on {device})"
+    export = onnx_export_dir(target_dir)
+    exported = is_current(Path(target_dir), export)
 
     def hf():
         return HFTarget.from_pretrained(target_dir, device=device, dtype=DTYPES[dtype])
 
-    def quantized():
+    def gguf_target():
         return llamacpp.LlamaCppTarget(gguf, target_dir, threads=torch.get_num_threads())
 
-    if backend == "llamacpp":
-        why = (f"device {device}" if device != "cpu" else None) or (
+    def onnx_target():
+        return ort.OrtTarget(ensure_export(target_dir, export, quiet=False), target_dir, threads=torch.get_num_threads())
+
+    return {
+        "hf": _Builder(hf, None),
+        "llamacpp": _Builder(gguf_target, cpu32 or (
             None if llamacpp.available() else "llama-cpp-python is not installed (make setup installs it)") or (
-            None if gguf is not None else "no GGUF of the target (--target-gguf FILE; the embedded default has one)")
-        if why:
-            raise DFlashError("bad_target", f"the llamacpp target backend cannot run here: {why}")
-    if backend != "auto":
-        target = hf() if backend == "hf" else quantized()
-        target.selection = {"backend": target.backend, "how": "asked for (--target-backend)"}
-        return target
-    if device != "cpu" or dtype != "float32" or gguf is None or not llamacpp.available():
-        target = hf()
-        target.selection = {"backend": "hf", "how": "the only backend for this device, dtype and target"}
-        return target
-    import llama_cpp
+            None if gguf is not None else "no GGUF of the target (--target-gguf FILE; the embedded default has one)")),
+        "ort": _Builder(onnx_target, cpu32 or (None if ort.available() else "onnxruntime is not installed") or (
+            None if builder_version() or exported
+            else "onnxruntime-genai (the exporter) is not installed (make setup installs it)"), ready=exported),
+    }
+
+
+def load_target(target_dir, backend: str, device: str = "cpu", dtype: str = "float32", gguf: Path | None = None):
+    """The target in the backend named (not auto: choosing needs the drafter, see load_engine)."""
+    if backend not in TARGET_BACKENDS or backend == "auto":
+        raise DFlashError("bad_params", f"load_target takes one of {', '.join(TARGET_BACKENDS[1:])}, got '{backend}'")
+    target = target_builders(target_dir, device, dtype, gguf)[backend]()
+    target.selection = {"backend": target.backend, "how": "asked for (--target-backend)"}
+    return target
+
+
+def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | None):
+    """The engine over the target backend that decodes fastest here with block length auto:
+    per backend a plain step, verify blocks of 2 and 4 (with the drafter's features) and the
+    drafter's price for such blocks, weighed by the policy's default acceptance prior
+    (dflash.engine.target.fastest.expected_rate). Measured once per machine, thread count
+    and versions, cached beside the cost curves; at a later start the chosen backend's plain
+    step is timed again, and a choice whose step got STALE times slower is measured afresh."""
+    import torch
 
     from dflash import __version__
-    from dflash.engine.costs import cpu_name
+    from dflash.engine.costs import cpu_name, spot_prices
+    from dflash.engine.target import fastest
 
     key = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "target": Path(target_dir).name,
-           "gguf": [Path(gguf).name, Path(gguf).stat().st_size], "layers": list(layer_ids),
-           "torch": torch.__version__, "llama_cpp": llama_cpp.__version__, "dflash": __version__}
+           "candidates": sorted(builders), "versions": fastest.runtime_versions(), "dflash": __version__}
     record = fastest.cached_choice(cost_dir, key)
     if record is not None:
-        target = quantized() if record["choice"] == "llamacpp" else hf()
-        now = fastest.step_seconds(target, layer_ids, repeats=5)
-        if not fastest.is_stale(record, now):
-            target.selection = {"backend": target.backend, "how": "measured earlier (cached), spot-checked",
-                                "step_ms": {k: round(v * 1e3, 2) for k, v in record["step_s"].items()}}
-            return target
-        del target
-    candidates = {"hf": hf(), "llamacpp": quantized()}
-    step_s = {name: fastest.step_seconds(t, layer_ids) for name, t in candidates.items()}
-    record = fastest.remember(cost_dir, key, step_s)
-    target = candidates.pop(record["choice"])
-    candidates.clear()
-    target.selection = {"backend": target.backend, "how": "measured at start",
-                        "step_ms": {k: round(v * 1e3, 2) for k, v in step_s.items()}}
-    return target
+        engine = engine_over(builders[record["choice"]]())
+        if not fastest.is_stale(record, fastest.step_seconds(engine.target, engine.layer_ids, repeats=5)):
+            engine.target.selection = {"backend": engine.target.backend, "how": "measured earlier (cached), "
+                                       "spot-checked", **fastest.summary(record)}
+            return engine
+        del engine
+    measured, same, failed = {}, {}, {}
+    for name, build in builders.items():
+        try:
+            engine = engine_over(build(), **same)
+        except DFlashError as exc:  # a candidate that cannot load is not chosen (asked for, it is an error)
+            failed[name] = exc.message
+            continue
+        same = {"draft_dtype": engine.draft_dtype}  # as the first backend measured it
+        measured[name] = spot_prices(engine)
+        del engine
+    record = fastest.remember(cost_dir, key, measured)
+    record["failed"] = failed
+    engine = engine_over(builders[record["choice"]](), **same)
+    engine.target.selection = {"backend": engine.target.backend, "how": "measured at start", **fastest.summary(record)}
+    return engine
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -159,12 +218,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="CPU threads (torch's and llama.cpp's; default: torch's choice)")
     p.add_argument("--target-backend", default="auto", choices=TARGET_BACKENDS,
                    help="what runs the target: hf (transformers, the reference), llamacpp (its GGUF in llama.cpp, "
-                        "CPU), auto (default: the fastest available here, measured once and cached)")
+                        "CPU), ort (an int8 ONNX export in ONNX Runtime, CPU), auto (default: the one that decodes "
+                        "fastest here, measured once and cached)")
     p.add_argument("--target-gguf", help="the target as GGUF for --target-backend llamacpp (default: the embedded "
                    "target's shipped Q4_1 file, when --target is not given)")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="dtype the drafter computes in (drafts are proposals: output is unchanged); auto: bfloat16 "
-                        "on a CPU with native bf16 when the target runs float32, else the target's dtype")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                   help="precision the drafter computes in (drafts are proposals: output is unchanged); int8: int8 "
+                        "weights (CPU); auto: the fastest here, measured at start")
+    p.add_argument("--draft-vocab", default="auto", metavar="auto|full|FILE",
+                   help="tokens the drafter may propose: auto (its folder's draft_vocab.json if it has one, else "
+                        "all), full, or a draft_vocab.json (dflash.train.draft_vocab makes one)")
 
 
 BACKENDS = ("native", "openai")
@@ -225,5 +288,5 @@ def engine_from_args(args):
         print(RANDOM_DRAFTER_WARNING, file=sys.stderr)
     gguf = getattr(args, "target_gguf", None) or (_default_gguf() if args.target is None else None)
     return load_engine(target, drafter, device=args.device, dtype=args.dtype, random_drafter=is_random,
-                       cost_dir=cost_dir(), draft_dtype=args.draft_dtype,
+                       cost_dir=cost_dir(), draft_dtype=args.draft_dtype, draft_vocab=getattr(args, "draft_vocab", "auto"),
                        target_backend=getattr(args, "target_backend", "auto"), target_gguf=gguf)

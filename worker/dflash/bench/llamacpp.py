@@ -418,21 +418,55 @@ def default_server(port: int | None = None, host: str = "127.0.0.1", threads: in
     """llama-server (built first if need be) with the default target as it ships (Q4_1) and,
     when `speculative`, the shipped drafter as its DFlash draft model (its block less the
     anchor drafted per step, as `llamacpp-dflash` runs it)."""
-    from dflash.engine.drafter_config import DrafterConfig
-    from dflash.model_files import default_drafter_dir, default_target_gguf
-
     ensure_built()
-    target = default_target_gguf()
-    drafter, draft_max = None, 15
-    if speculative:
-        folder, is_random = default_drafter_dir()
-        if is_random:
-            raise DFlashError("bad_drafter", "no trained drafter ships in this checkout; serve with --no-drafter")
-        drafter = drafter_gguf(folder, target)
-        draft_max = DrafterConfig.from_dict(json.loads((folder / "config.json").read_text())).block_size - 1
+    target, drafter, draft_max = default_files(speculative)
     return LlamaServer(target, threads or os.cpu_count() or 2, drafter, draft_max=draft_max, ctx=ctx, port=port,
                        host=host, parallel=parallel, trace=False,
                        log=log or home() / f"server-{port or 'serve'}.log")
+
+
+def default_files(speculative: bool = True) -> tuple[Path, Path | None, int]:
+    """(the default target's shipped Q4_1 GGUF, the shipped drafter as a DFlash GGUF or None,
+    drafts per step: the drafter's block less the anchor)."""
+    from dflash.engine.drafter_config import DrafterConfig
+    from dflash.model_files import default_drafter_dir, default_target_gguf
+
+    target = default_target_gguf()
+    if not speculative:
+        return target, None, 15
+    folder, is_random = default_drafter_dir()
+    if is_random:
+        raise DFlashError("bad_drafter", "no trained drafter ships in this checkout; serve with --no-drafter")
+    draft_max = DrafterConfig.from_dict(json.loads((folder / "config.json").read_text())).block_size - 1
+    return target, drafter_gguf(folder, target), draft_max
+
+
+def image_context(out: Path) -> Path:
+    """A Docker build context for docker/llamacpp.Dockerfile (`make images-llamacpp`): this
+    machine's llama-server build (built first if need be) with its shared libraries, the
+    default target's Q4_1 GGUF and the shipped drafter's GGUF, and the draft length. The build
+    is native (GGML_NATIVE): the image runs on CPUs like this one."""
+    ensure_built()
+    target, drafter, draft_max = default_files(True)
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "bin").mkdir(parents=True)
+    (out / "models").mkdir()
+    bins = build_dir() / "bin"
+    shutil.copy2(binary("llama-server"), out / "bin" / "llama-server")
+    for lib in sorted(bins.glob("*.so*")):  # libllama, libggml*, libmtmd and their soname links
+        if lib.is_symlink():
+            (out / "bin" / lib.name).symlink_to(os.readlink(lib))
+        else:
+            shutil.copy2(lib, out / "bin" / lib.name)
+    shutil.copy2(target, out / "models" / "target.gguf")
+    shutil.copy2(drafter, out / "models" / "drafter.gguf")
+    (out / "models" / "draft-n-max").write_text(f"{draft_max}\n")
+    (out / "models" / "README").write_text(
+        f"target.gguf: {target.name}; drafter.gguf: {drafter.name} (dflash convert --to gguf); "
+        f"llama.cpp from the {SDIST} {VERSION} sdist, built for this machine's CPU\n")
+    _say(f"image context in {out}")
+    return out
 
 
 def serve(port: int, host: str = "127.0.0.1", threads: int | None = None, parallel: int = 1, ctx: int = 4096,
@@ -475,8 +509,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--parallel", type=int, default=1, help="slots: requests decoded together (default 1)")
     s.add_argument("--ctx", type=int, default=4096, help="context tokens per slot (default 4096)")
     s.add_argument("--no-drafter", action="store_true", help="plain decoding, no speculative drafter")
+    c = sub.add_parser("image-context", help="a Docker build context for docker/llamacpp.Dockerfile: this build, "
+                       "the default target and drafter (make images-llamacpp)")
+    c.add_argument("out", type=Path, help="the folder to write (replaced)")
     args = p.parse_args(argv)
     try:
+        if args.command == "image-context":
+            image_context(args.out)
+            return 0
         return serve(args.port, args.host, args.threads, args.parallel, args.ctx, not args.no_drafter)
     except DFlashError as exc:
         print(f"dflash: error: {exc.message}", file=sys.stderr)

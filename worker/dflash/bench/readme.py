@@ -7,7 +7,7 @@ Replaces what lies between the `<!-- SECTION:start -->` and `<!-- SECTION:end --
 (default section `bench-results`) with the run's Markdown table, its machine line and the
 command that produced it (recorded in results.json by `dflash bench`; `--command` for
 older files). Without `--readme` the file is whichever of README.md and docs/*.md holds
-the section's markers: `current-results` is in README.md, `bench-results` (the full run)
+the section's markers: `current-results` (the fp32 path's auto run) and `bench-results` (the full run) are
 in docs/benchmarks.md. The other generators (`dflash.bench.peers --readme`,
 `dflash.bench.learning --readme`) write through `replace_section` too, so a `--readme
 README.md` whose section has moved to docs/ still finds it there.

@@ -38,7 +38,7 @@ import torch
 
 from dflash.bench.llamacpp import is_peer_method, is_speculative_peer, peer_notes
 from dflash.engine.costs import cpu_name
-from dflash.engine.engine import Engine, GenerationRequest
+from dflash.engine.engine import Engine, GenerationRequest, dtype_name
 
 from dflash.suites import SUITES, load_prompts_file, load_suite  # noqa: F401 (the bench's suites)
 from dflash.engine.stats import pooled_tau
@@ -81,7 +81,7 @@ def reference_engine(engine: Engine) -> Engine:
 
     target = HFTarget.from_pretrained(engine.target.hf_dir)
     # A copy: an Engine moves its drafter to its own dtype, which must not change the other's.
-    return Engine(target, copy.deepcopy(engine.drafter), engine.drafter_name, cost_curve=engine.cost_curve)
+    return Engine(target, copy.deepcopy(engine.in_use().source), engine.drafter_name, cost_curve=engine.cost_curve)
 
 
 @dataclass
@@ -300,7 +300,7 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
     peers = {m: peer.describe(m) for m in methods if is_peer_method(m)}
     settings = {"target": engine.target.name, "target_backend": engine.target.backend,
                 "drafter": engine.drafter_name, "assistant": assistant_dir,
-                "dtype": str(engine.target.dtype), "draft_dtype": str(engine.draft_dtype),
+                "dtype": str(engine.target.dtype), "draft_dtype": dtype_name(engine.draft_dtype),
                 "device": str(engine.target.device), "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": max_new,
                 **({"peers": peers} if peers else {})}
     log = Journal(journal, settings, resume)
@@ -353,7 +353,7 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "dtype": str(engine.target.dtype).replace("torch.", ""),
-        "draft_dtype": str(engine.draft_dtype).replace("torch.", ""),
+        "draft_dtype": dtype_name(engine.draft_dtype),
         "device": str(engine.target.device),
         "cpu": cpu_name(),
         "target": engine.target.name,

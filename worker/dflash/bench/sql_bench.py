@@ -2,6 +2,13 @@
 the trigger queue's throughput.
 
     python -m dflash.bench.sql_bench [--n 50] [--rows 50] [--tokens 32] [--block-size N] [--out bench-out]
+        [--workload SUITE|FILE.jsonl [--workload-tokens 128]]
+
+`--workload` also fills a generation-enabled table with a suite's prompts (one row each, in
+order, e.g. the `repetitive` suite's 42) twice, into two fresh tables: once with
+`proposals => false` and once with the default `proposals => true`, where the suffix
+proposer drafts from the table's earlier answers; the two fill times are the workload
+memory's gain through SQL.
 
 Everything runs in one process on a throwaway cluster (dflash.localpg): the worker (its
 own threads, the embedded default models), its queue consumer, and the SQL client.
@@ -20,10 +27,11 @@ import torch
 
 from dflash.bench.timing import interleaved_medians_ms, write_json_report
 from dflash.embed import Embedder
+from dflash.engine.costs import cpu_name
+from dflash.engine.engine import dtype_name
 from dflash.engine.knobs import DEFAULT_MAX_BATCH
-from dflash.loading import load_engine
+from dflash.loading import add_model_args, engine_from_args
 from dflash.localpg import start_local_cluster
-from dflash.model_files import resolve_models
 from dflash.serve.client import Client
 from dflash.serve.queue import QueueConsumer
 from dflash.serve.server import Worker
@@ -56,6 +64,41 @@ def measure_queue(conn, worker, server, args) -> dict:
                 queue_seconds=elapsed, queue_rows_per_minute=args.rows / elapsed * 60, queue_new_tokens=tokens)
 
 
+def measure_workload(conn, worker, server, prompts: list[str], tokens: int) -> dict:
+    """Fill two generation-enabled tables with the same prompts, proposals off then on."""
+    out = {}
+    for proposals in (False, True):
+        table = f"bench_workload_{'on' if proposals else 'off'}"
+        conn.execute(f"CREATE TABLE {table} (id serial PRIMARY KEY, prompt text, answer text)")
+        opts = {"max_new_tokens": tokens, "proposals": proposals}
+        conn.execute("SELECT dflash.enable_generation(%s, 'prompt', 'answer', %s)", (table, json.dumps(opts)))
+        with conn.transaction():
+            for prompt in prompts:
+                conn.execute(f"INSERT INTO {table} (prompt) VALUES (%s)", (prompt,))
+        consumer = QueueConsumer(worker, server.dsn(user="dflash_worker"), poll_s=0.2, batch=DEFAULT_MAX_BATCH)
+        t = time.perf_counter()
+        consumer.start()
+        while conn.execute(f"SELECT count(*) FROM {table} WHERE answer IS NULL").fetchone()[0]:
+            time.sleep(0.2)
+        elapsed = time.perf_counter() - t
+        consumer.shutdown()
+        stats = conn.execute(
+            "SELECT sum(new_tokens), sum(steps) FROM dflash.generations WHERE source_table = %s::regclass",
+            (table,)).fetchone()
+        key = "on" if proposals else "off"
+        out[f"workload_proposals_{key}_seconds"] = elapsed
+        out[f"workload_proposals_{key}_new_tokens"] = stats[0]
+        out[f"workload_proposals_{key}_steps"] = stats[1]
+    # Greedy either way: the same answer in both tables, row by row (proposals change speed only).
+    out["workload_answers_differ"] = conn.execute(
+        "SELECT count(*) FROM bench_workload_off a JOIN bench_workload_on b USING (id) WHERE a.answer <> b.answer"
+    ).fetchone()[0]
+    out["workload_rows"] = len(prompts)
+    out["workload_tokens_per_row"] = tokens
+    out["workload_speedup"] = out["workload_proposals_off_seconds"] / out["workload_proposals_on_seconds"]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=50, help="repetitions for the latency medians")
@@ -63,16 +106,21 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per queued row")
     ap.add_argument("--block-size", type=int, help="block size for the queued rows (default: the drafter's)")
     ap.add_argument("--out", default="bench-out")
+    ap.add_argument("--workload", help="a suite (code, chat, agent, repetitive) or a FILE.jsonl of {\"prompt\": ...} "
+                    "filled into two tables, proposals off and on")
+    ap.add_argument("--workload-tokens", type=int, default=128, help="new tokens per workload row")
+    add_model_args(ap)  # the engine is built as `dflash serve` builds it, from the same options
     args = ap.parse_args(argv)
 
-    target, drafter, is_random = resolve_models(None, None)
-    engine = load_engine(target, drafter, random_drafter=is_random)
+    engine = engine_from_args(args)
+    is_random = engine.random_drafter
     server = start_local_cluster()
     sock = server.socket_dir / "worker.sock"
     worker = Worker(engine, Embedder(), socket_path=str(sock),
                     socket_group=server.os_user if os.geteuid() == 0 else None)
     worker.start()
     report = {"threads": torch.get_num_threads(), "torch": torch.__version__, "target": engine.target.name,
+              "target_backend": engine.target.backend, "draft_dtype": dtype_name(engine.draft_dtype), "cpu": cpu_name(),
               "drafter": engine.drafter_name, "random_drafter": is_random}
     try:
         with psycopg.connect(server.dsn(), autocommit=True) as conn:
@@ -95,6 +143,15 @@ def main(argv=None) -> int:
             client.close()
             if args.rows:
                 report.update(measure_queue(conn, worker, server, args))
+            if args.workload:
+                from pathlib import Path
+
+                from dflash.suites import load_prompts_file, load_suite
+
+                prompts = (load_prompts_file(Path(args.workload)) if args.workload.endswith(".jsonl")
+                           else load_suite(args.workload))
+                conn.execute("ALTER ROLE dflash_worker LOGIN")
+                report.update(measure_workload(conn, worker, server, prompts, args.workload_tokens))
     finally:
         worker.shutdown()
         server.stop()

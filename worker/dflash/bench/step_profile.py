@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.engine.engine import Engine, GenerationRequest
+from dflash.engine.engine import Engine, GenerationRequest, dtype_name
 from dflash.engine.proposers.dflash import NAME as DFLASH
 from dflash.engine.sampling import verify_greedy
 from dflash.engine.target import TargetRow
@@ -131,7 +131,7 @@ def profile(engine: Engine, lengths=LENGTHS, repeats: int = 15) -> dict:
 
                 def head():
                     nonlocal drafts
-                    drafts = torch.nn.functional.linear(hidden[0, 1:], drafting.head).float().argmax(-1)
+                    drafts = drafting.head.token_ids(drafting.head(hidden[0, 1:]).argmax(-1))
 
                 row["drafter_lm_head"].append(timed(head))
                 logits = forward(s, ids[:1] + drafts.tolist(), (), L).logits[0]
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     from dflash.engine.costs import cpu_name
 
     result.update(device=str(engine.target.device), dtype=str(engine.target.dtype).replace("torch.", ""),
-                  draft_dtype=str(engine.draft_dtype).replace("torch.", ""),
+                  draft_dtype=dtype_name(engine.draft_dtype),
                   threads=torch.get_num_threads(), torch=torch.__version__, target=engine.target.name,
                   drafter=engine.drafter_name, repeats=args.repeats,
                   cpu=cpu_name() if engine.target.device.type == "cpu" else torch.cuda.get_device_name())

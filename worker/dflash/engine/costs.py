@@ -30,14 +30,19 @@ import torch
 from dflash.engine.sampling import verify_greedy
 
 CONTEXT_TOKENS = 64  # a short prompt: the price of a step at small context
+PREFILL_TOKENS = 128  # the prompt whose prefill spot_prices times (a typical request's)
+CONTEXT_ROWS = 16  # pending context rows timed for the drafter's price per row
+CURVE_FORMAT = 2  # what a curve holds (2: the drafter's price per pending context row); older ones are measured again
 REPEATS = 5
 BATCH_REPEATS = 3
 # The lengths timed (the drafter's block size too); prices in between are interpolated: a
 # step's cost grows smoothly with its length, and the worker measures before it serves.
 MEASURED = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-# Batches timed (up to the scheduler's largest), and their per-request lengths.
-BATCHES = (2, 4, 8, 16, 32, 64)
-BATCH_LENGTHS = (1, 2, 4, 8, 16, 32)
+# Batches timed (up to the scheduler's largest, which is always timed), and their
+# per-request lengths; prices in between are interpolated (a coarse grid: a worker measures
+# it before it serves, and a batch's forward grows smoothly with its rows).
+BATCHES = (4, 16, 64)
+BATCH_LENGTHS = (1, 2, 4, 16)
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,9 @@ class Prices:
     draft_s: tuple[float, ...]
     plain_rate: float
     batch: int = 1  # requests decoding in the step
+    # What each row of target features the drafter has not seen yet adds to its next pass
+    # (a request that decoded plainly for a while brings them all to its next draft).
+    context_row_s: float = 0.0
 
     def step_s(self, draft_len: int, verify_len: int) -> float:
         return self.draft_s[draft_len - 1] + self.verify_s[verify_len - 1]
@@ -83,6 +91,7 @@ class CostCurve:
     measured_at: str = ""
     batch_verify_s: dict[str, list[float]] = field(default_factory=dict)
     batch_draft_s: dict[str, list[float]] = field(default_factory=dict)
+    context_row_s: float = 0.0  # the drafter's price per pending context row (Prices.context_row_s)
 
     def __post_init__(self):
         self._prices: dict[tuple, Prices] = {}
@@ -141,7 +150,7 @@ class CostCurve:
         plain = 1.0 / verify[0]  # each of `decoding` requests gets one token for its share
         if len(self._prices) > 4096:
             self._prices.clear()
-        got = self._prices[key] = Prices(verify, draft, plain, max(decoding, 1))
+        got = self._prices[key] = Prices(verify, draft, plain, max(decoding, 1), self.context_row_s)
         return got
 
     # --- reporting -------------------------------------------------------------------------
@@ -168,7 +177,8 @@ class CostCurve:
     def from_dict(cls, d: dict) -> "CostCurve":
         return cls(list(d["verify_s"]), list(d["draft_s"]), dict(d.get("key") or {}), d.get("measured_at", ""),
                    {str(b): list(v) for b, v in (d.get("batch_verify_s") or {}).items()},
-                   {str(b): list(v) for b, v in (d.get("batch_draft_s") or {}).items()})
+                   {str(b): list(v) for b, v in (d.get("batch_draft_s") or {}).items()},
+                   float(d.get("context_row_s") or 0.0))
 
     @classmethod
     def flat(cls, max_block: int, plain_s: float = 1.0) -> "CostCurve":
@@ -203,11 +213,14 @@ def curve_key(engine, max_batch: int = 1) -> dict:
         "device_name": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else cpu_name(),
         "dtype": str(target.dtype).replace("torch.", ""),
         "draft_dtype": str(engine.draft_dtype).replace("torch.", ""),
+        "draft_vocab": None if engine.draft_vocab is None else int(engine.draft_vocab.numel()),
+        "draft_runtime": getattr(engine, "draft_runtime", "torch"),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "dflash": __version__,
         "backend": getattr(target, "backend", "hf"),
         "max_batch": max_batch,
+        "format": CURVE_FORMAT,
     }
 
 
@@ -275,13 +288,17 @@ class _StepBench:
             verify_greedy(torch.tensor(ids[1:], device=self.device), logits)
             self.target.rollback(q, CONTEXT_TOKENS)
 
-    def draft(self, D: int) -> None:
+    def draft(self, D: int, context_rows: int = 1) -> None:
+        """A draft of D after `context_rows` rows of new context features (the drafter's cache
+        holds the rest of the prompt; the rows are written again each time)."""
         committed = [ps.cache.length for ps in self.states]
-        jobs = [(ps, self.feats[-2:-1], self.prompt[-1], CONTEXT_TOKENS - 1, D) for ps in self.states]
+        for ps in self.states:
+            ps.cache.length = CONTEXT_TOKENS - 1 - context_rows
+        jobs = [(ps, self.feats[-1 - context_rows : -1], self.prompt[-1], CONTEXT_TOKENS - 1, D) for ps in self.states]
         for logits in self.proposer.draft_logits(jobs):
             logits.softmax(-1).max(-1)
         for ps, n in zip(self.states, committed):
-            ps.cache.length = n  # the context row is written again next time
+            ps.cache.length = n
 
     def warm_up(self) -> None:
         self.verify(self.block_size), self.draft(self.block_size)  # the largest shapes first
@@ -289,8 +306,12 @@ class _StepBench:
     def verify_s(self, L: int, repeats: int = REPEATS) -> float:
         return _best_s(lambda: self.verify(L), self.device, repeats)
 
-    def draft_s(self, D: int, repeats: int = REPEATS) -> float:
-        return _best_s(lambda: self.draft(D), self.device, repeats)
+    def draft_s(self, D: int, repeats: int = REPEATS, context_rows: int = 1) -> float:
+        return _best_s(lambda: self.draft(D, context_rows), self.device, repeats)
+
+    def context_row_s(self, repeats: int = REPEATS, rows: int = CONTEXT_ROWS) -> float:
+        """What one more pending context row adds to a draft (of 2)."""
+        return max(self.draft_s(2, repeats, rows + 1) - self.draft_s(2, repeats), 0.0) / rows
 
     def close(self) -> None:
         for q in self.seqs:
@@ -316,6 +337,7 @@ def measure(engine, max_batch: int = 1) -> CostCurve:
     bench = _StepBench(engine)
     bench.warm_up()
     verify_s, draft_s = _curve(bench, MEASURED, REPEATS)
+    context_row_s = bench.context_row_s() if engine.block_size > 1 else 0.0
     bench.close()
     batch_verify, batch_draft = {}, {}
     for seqs in [b for b in BATCHES if b < max_batch] + ([max_batch] if max_batch > 1 else []):
@@ -329,7 +351,7 @@ def measure(engine, max_batch: int = 1) -> CostCurve:
         below = batch_draft.get(str(max((int(b) for b in batch_draft), default=0)), draft_s)
         batch_draft[str(seqs)] = [max(a, b) for a, b in zip(d, below)]
     return CostCurve(verify_s, draft_s, curve_key(engine, max_batch), time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                     batch_verify, batch_draft)
+                     batch_verify, batch_draft, context_row_s)
 
 
 # A cached curve is checked against a few fresh timings before it is trusted: one measured
@@ -362,6 +384,29 @@ def spot_check(engine, curve: CostCurve) -> dict:
         checks[f"batch_{seqs}_verify_1"] = (bench.verify_s(1, BATCH_REPEATS), curve.batch_verify_s[str(seqs)][0])
         bench.close()
     return checks
+
+
+@torch.inference_mode()
+def spot_prices(engine, lengths=(1, 2, 4), repeats: int = REPEATS) -> dict:
+    """A few prices of a lone request (seconds by length, keys as strings): verifying L
+    tokens with the drafter's features, and the drafter's pass over a block of L. What the
+    choice of a target backend weighs (dflash.engine.target.fastest)."""
+    from dflash.engine.target import TargetRow
+
+    bench = _StepBench(engine)
+    bench.verify(max(lengths)), bench.draft(max(lengths))  # warm up the largest shapes
+    verify = {str(L): bench.verify_s(L, repeats) for L in lengths}
+    draft = {str(L): bench.draft_s(L, repeats) for L in lengths if 1 < L <= engine.block_size}
+    bench.close()
+    target, ids = engine.target, [(100 + i) % engine.target.vocab_size for i in range(PREFILL_TOKENS)]
+
+    def prefill():
+        seq = target.new_sequence()
+        target.forward_batch([TargetRow(seq, ids, 1)], engine.layer_ids)
+        target.free(seq)
+
+    return {"verify": verify, "draft": draft,
+            "prefill": {str(PREFILL_TOKENS): _best_s(prefill, target.device, max(2, repeats // 2))}}
 
 
 def is_stale(checks: dict) -> bool:

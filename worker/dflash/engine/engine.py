@@ -30,6 +30,7 @@ from dflash.engine.proposers.dflash import DFlashProposer, DrafterInUse
 from dflash.engine.proposers.suffix import NAME as SUFFIX
 from dflash.engine.proposers.suffix import SuffixProposer
 from dflash.engine.state import DecodeState, StepResult
+from dflash.engine.versions import model_digest
 from dflash.engine.stats import GenerationStats
 from dflash.engine.stops import StopStrings
 from dflash.engine.target import Target
@@ -122,22 +123,48 @@ def check_compatible(target: Target, cfg: DrafterConfig) -> None:
         )
 
 
-def resolve_draft_dtype(choice, target: Target) -> torch.dtype:
-    """The dtype the drafter computes in. None: the target's (drafts bit-identical to the
-    reference implementation's at fp32). "auto": bfloat16 where the target runs fp32 on a CPU
-    with native bf16 matrix instructions (AVX-512 BF16 / AMX; the published drafters are
-    bf16 weights anyway), else the target's. Or a dtype name."""
+DRAFT_DTYPES = {**DTYPES, "int8": torch.qint8}  # int8: int8 weights, fp32 activations (CPU)
+
+
+def resolve_draft_dtype(choice, target: Target) -> torch.dtype | None:
+    """The precision the drafter computes in. None: the target's (drafts bit-identical to the
+    reference implementation's at fp32). "auto": None here, and the engine measures (see
+    fastest_draft). Or a name of DRAFT_DTYPES."""
     if choice is None:
         return target.dtype
     if isinstance(choice, torch.dtype):
         return choice
     if choice == "auto":
-        native_bf16 = target.device.type == "cpu" and torch.backends.mkldnn.is_available() and bool(
-            torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        return torch.bfloat16 if native_bf16 and target.dtype == torch.float32 else target.dtype
-    if choice not in DTYPES:
-        raise DFlashError("bad_dtype", f"draft dtype must be auto or one of {', '.join(DTYPES)}, got '{choice}'")
-    return DTYPES[choice]
+        return None
+    if choice not in DRAFT_DTYPES:
+        raise DFlashError("bad_dtype", f"draft dtype must be auto or one of {', '.join(DRAFT_DTYPES)}, got '{choice}'")
+    if choice == "int8" and target.device.type != "cpu":
+        raise DFlashError("bad_dtype", "draft dtype int8 runs on a CPU only")
+    return DRAFT_DTYPES[choice]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name the options use (int8 for the int8-weight drafter)."""
+    return next((k for k, v in DRAFT_DTYPES.items() if v == dtype), str(dtype).replace("torch.", ""))
+
+
+def draft_candidates(target: Target) -> list[tuple[torch.dtype, str]]:
+    """What `auto` tries, as (precision, runtime): on a GPU the target's dtype; on a CPU fp32,
+    bf16 where the CPU has native bf16 matrix instructions (elsewhere it is ~100x slower),
+    int8 weights in PyTorch, and the int8 drafter as one ONNX Runtime graph."""
+    if target.device.type != "cpu":
+        return [(target.dtype, "torch")]
+    out = [(torch.float32, "torch")]
+    if torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        out.append((torch.bfloat16, "torch"))
+    out.append((torch.qint8, "torch"))
+    try:
+        import onnxruntime  # noqa: F401
+
+        out.append((torch.qint8, "onnx"))
+    except ImportError:
+        pass
+    return out
 
 
 def _is_int(x) -> bool:
@@ -243,13 +270,25 @@ class Engine(RequestChecks):
         policy_config: PolicyConfig = PolicyConfig(),
         drafter_sha256: str | None = None,
         draft_dtype: str | torch.dtype | None = None,
+        draft_vocab: torch.Tensor | None = None,
+        draft_runtime: str | None = None,
     ):
         check_compatible(target, drafter.config)
         self.target = target
+        self.draft_vocab = check_draft_vocab(draft_vocab, target.vocab_size)
         self.draft_dtype = resolve_draft_dtype(draft_dtype, target)
+        runtimes = [r for d, r in draft_candidates(target) if d == self.draft_dtype] or ["torch"]
+        if draft_runtime is not None:
+            runtimes = [draft_runtime]
+        if self.draft_dtype is None or len(runtimes) > 1:  # auto: the fastest draft on this device, measured
+            self.draft_dtype, self.draft_runtime = cached_draft_choice(
+                cost_dir, target, drafter, self.draft_vocab, self.draft_dtype, drafter_sha256)
+        else:
+            self.draft_runtime = runtimes[0]
         self.random_drafter = random_drafter
         self.tokenizer = target.tokenizer
-        self.dflash = DFlashProposer(target, drafter, drafter_name, drafter_sha256, self.draft_dtype)
+        self.dflash = DFlashProposer(target, drafter, drafter_name, drafter_sha256, self.draft_dtype, self.draft_vocab,
+                                     self.draft_runtime)
         self.workloads = WorkloadMemory()
         self.suffix = SuffixProposer(self.workloads, policy_config.calibration_bins)
         self.policy_config = policy_config
@@ -456,6 +495,82 @@ class Engine(RequestChecks):
                 break
             self.step(live, budget)
         return [self.finish(s) for s in states]
+
+
+def check_draft_vocab(vocab, vocab_size: int) -> torch.Tensor | None:
+    """A draft vocabulary as the engine takes it: distinct target ids (LongTensor) or None."""
+    if vocab is None:
+        return None
+    vocab = torch.as_tensor(vocab, dtype=torch.long).flatten()
+    if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= vocab_size or (
+            vocab.unique().numel() != vocab.numel()):
+        raise DFlashError("bad_drafter", f"the draft vocabulary must be distinct token ids in [0, {vocab_size})")
+    return vocab
+
+
+def cached_draft_choice(directory: Path | None, target: Target, drafter, vocab, only, sha256) -> tuple[torch.dtype, str]:
+    """fastest_draft's answer, measured once per machine, threads, drafter and runtimes and
+    kept beside the cost curves (a wrong choice costs speed, never output, so it is not
+    spot-checked; a new drafter, vocabulary or runtime version measures again)."""
+    import hashlib
+    import json
+
+    from dflash.engine.costs import cpu_name
+    from dflash.engine.target.fastest import runtime_versions
+
+    names = {dtype_name(d): d for d, _ in draft_candidates(target)}
+    key = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "device": str(target.device),
+           "drafter": sha256 or "unversioned", "vocab": None if vocab is None else int(vocab.numel()),
+           "only": None if only is None else dtype_name(only), "versions": runtime_versions()}
+    path = None
+    if directory is not None and sha256 is not None:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        path = Path(directory) / f"draft-choice-{digest}.json"
+        try:
+            got = json.loads(path.read_text())
+            if got.get("key") == key and got.get("dtype") in names:
+                return names[got["dtype"]], got["runtime"]
+        except (OSError, ValueError):
+            pass
+    dtype, runtime = fastest_draft(target, drafter, vocab, only, sha256=sha256)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "dtype": dtype_name(dtype), "runtime": runtime}, indent=1) + "\n")
+        tmp.replace(path)
+    return dtype, runtime
+
+
+@torch.inference_mode()
+def fastest_draft(target: Target, drafter, vocab: torch.Tensor | None, only: torch.dtype | None = None,
+                  repeats: int = 5, sha256: str | None = None) -> tuple[torch.dtype, str]:
+    """The drafter precision and runtime (of draft_candidates; of precision `only` if given)
+    whose draft of a short block after a short context runs fastest here. Drafts are
+    proposals: the choice changes how often they are kept, never the output. Measured at
+    start, in a second or two."""
+    import time
+
+    candidates = [c for c in draft_candidates(target) if only is None or c[0] == only]
+    if len(candidates) == 1 or not isinstance(drafter, torch.nn.Module):
+        return candidates[0] if candidates else (only, "torch")
+    cfg = drafter.config
+    context = torch.randn(16, cfg.num_features * cfg.hidden_size, device=target.device)
+    # The drafter's own digest names its built graph (a shared placeholder would hand one
+    # drafter another's graph).
+    sha256 = sha256 or model_digest(drafter)
+    best, best_s = candidates[0], float("inf")
+    for dtype, runtime in candidates:
+        proposer = DFlashProposer(target, drafter, "probe", sha256, dtype, vocab, runtime)
+        times = []
+        for _ in range(repeats):
+            state = proposer.start(None)
+            t = time.perf_counter()
+            proposer.draft_logits([(state, context, 0, context.shape[0], 4)])
+            times.append(time.perf_counter() - t)
+        if min(times[1:]) < best_s:
+            best, best_s = (dtype, runtime), min(times[1:])
+    drafter.to(dtype=torch.float32)
+    return best
 
 
 def _geometry(cfg: DrafterConfig) -> tuple:

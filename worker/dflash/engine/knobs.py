@@ -25,6 +25,11 @@ class PolicyConfig:
     history: int = 32  # recent drafted steps replayed to price drafting
     probe_after: int = 8  # plain steps before drafting is tried again
     probe_max_gap: int = 64  # probes that do not pay back off up to this gap
+    # ... and never more often than keeps failed probes under this share of a request's time:
+    # where verifying costs several plain steps (llama.cpp's Q4_1 on an AVX2 CPU: a probe of 3
+    # costs 2.7 plain steps and the drafter's pass) probes are spaced out accordingly, and
+    # where even drafts that are always kept could not pay, there are none.
+    probe_overhead: float = 0.01
     # A request whose prior rests on this many judged first drafts (the workload's or the
     # engine's recent generations) and says drafting does not pay starts at this gap: the
     # evidence that probes would gather at 8, 16, 32 is already in the prior.

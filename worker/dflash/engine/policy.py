@@ -18,7 +18,10 @@ Expected committed tokens for verify length L with conditional acceptances a_1, 
 
 When drafting has not paid for a while the policy probes again, briefly (a short draft)
 and ever more rarely, so a request whose drafts stop being kept pays almost nothing, and
-one whose drafts start being kept notices.
+one whose drafts start being kept notices. How rarely also follows the prices: a probe that
+fails costs its drafter pass and its extra verified rows, and probes are spaced so that
+failed ones take at most `probe_overhead` of the time; where even drafts that are always
+kept could not pay (verifying L costs more than L plain steps), there are none.
 
 Lossless by construction: every decision depends on past outcomes, the cost curve and the
 draft *distributions*' peaks, never on the current step's sampled drafts or target draws.
@@ -26,6 +29,7 @@ draft *distributions*' peaks, never on the current step's sampled drafts or targ
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -106,6 +110,7 @@ class BlockPolicy:
         self._plain_at_rate: float | None = None
         self._plain_prices: Prices | None = None
         self._draft_values: list[float] | None = None  # what the last draft_length() weighed
+        self.pending_rows = 0  # target feature rows the drafter has not seen (its next pass takes them)
         # The suffix proposer's chains (point masses, priced by their lookup) are calibrated
         # on their own outcomes by their match-count confidence; they never enter the
         # drafter's counts or calibration.
@@ -191,8 +196,29 @@ class BlockPolicy:
                 best = max(best, value)
                 earned[i] += best
         n = len(vectors)
-        return [earned[0] / n] + [earned[D - 1] / n - rate * self.prices.draft_s[D - 1]
+        context = self.pending_rows * self.prices.context_row_s
+        return [earned[0] / n] + [earned[D - 1] / n - rate * (self.prices.draft_s[D - 1] + context)
                                   for D in range(2, self.max_block + 1)]
+
+    @property
+    def probe_gap(self) -> int | float:
+        """Plain steps before the next probe: the backed-off gap, at least what keeps failed
+        probes under `probe_overhead` of the time at this step's prices (inf: no probes)."""
+        prices = self.prices
+        if getattr(self, "_floor_for", None) is not prices:
+            self._floor_for, self._floor = prices, self._probe_floor(prices)
+        return max(self.probe_every, self._floor)
+
+    def _probe_floor(self, prices: Prices) -> int | float:
+        P = min(self.cfg.probe_len, self.max_block)
+        if P < 2:
+            return float("inf")
+        rate = 1.0 / prices.verify_s[0]
+        # Could drafting pay at all? Every draft kept: L tokens for a step of length L.
+        if max(L - rate * prices.step_s(L, L) for L in range(2, self.max_block + 1)) <= 0:
+            return float("inf")
+        excess = rate * prices.step_s(P, P) - 1.0  # plain steps a probe costs beyond its own token
+        return math.ceil(excess / self.cfg.probe_overhead) if excess > 0 else 0
 
     # --- decisions ---------------------------------------------------------------------
 
@@ -202,22 +228,24 @@ class BlockPolicy:
         if self.max_block < 2:
             return 1
         rate = self.rate
+        gap = self.probe_gap
         if (self._plain_at_rate is not None and self._plain_prices is self.prices and rate >= self._plain_at_rate
-                and self.plain_run < self.probe_every):
+                and self.plain_run < gap):
             return 1
         values = self._draft_values = self.draft_values()
         best = max(range(len(values)), key=lambda i: (values[i], -i)) + 1
         self._plain_at_rate = rate if best == 1 else None
         self._plain_prices = self.prices
-        if best == 1 and self.plain_run >= self.probe_every:
+        if best == 1 and self.plain_run >= gap:
             best = min(self.cfg.probe_len, self.max_block)
         # A probe, or a drafted step before the calibration has seen anything, verifies all
         # it drafted: without outcomes at low confidence it could never learn that low
         # confidence is sometimes right (a drafter whose peaks are flat but correct).
-        self.probing = best > 1 and (self.plain_run >= self.probe_every or sum(self.cal_n) < self.cfg.warmup_outcomes)
+        self.probing = best > 1 and (self.plain_run >= gap or sum(self.cal_n) < self.cfg.warmup_outcomes)
         return best
 
-    def plan(self, suffix: list[float] | None, suffix_s: float, dflash: bool = True) -> tuple[str | None, int]:
+    def plan(self, suffix: list[float] | None, suffix_s: float, dflash: bool = True,
+             pending_rows: int = 0) -> tuple[str | None, int]:
         """Who drafts this step: ("suffix", L) verifies L - 1 tokens of the suffix proposer's
         chain (whose per-position confidences are `suffix`, at a lookup price of `suffix_s`
         seconds, already paid); ("dflash", D) runs the drafter over D positions (L chosen
@@ -226,6 +254,9 @@ class BlockPolicy:
         drafts count as plain ones for its schedule), so a drafter that would do better is
         found even where the suffix proposer always has something to offer."""
         self._draft_values = None
+        if pending_rows < self.pending_rows:  # a cheaper drafter pass: decide afresh (a dearer one keeps "plain")
+            self._plain_at_rate = None
+        self.pending_rows = pending_rows
         best, value = (None, 1), 1.0 - self.rate * self.prices.verify_s[0]
         if suffix:
             L, v = self.suffix_verify(suffix)
@@ -235,7 +266,7 @@ class BlockPolicy:
             D = self.draft_length()
             # The drafter's due probe (it must learn too), the rarer the more requests share the
             # step: a probe's drafter pass delays all of them.
-            due = self.probing and self.plain_run >= self.probe_every * self.prices.batch
+            due = self.probing and self.plain_run >= self.probe_gap * self.prices.batch
             if D > 1 and (due or (self._draft_values is not None and self._draft_values[D - 1] > value)):
                 best = ("dflash", D)
             elif D > 1:

@@ -85,12 +85,13 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     # logits overflows to inf and inf - inf is NaN; shifted logits are <= 0, so the top
     # stays 0 and the rest can only run to -inf (probability 0).
     logits = logits.float()
-    logits = logits - logits.max(-1, keepdim=True).values
     # Top-k before the temperature: which tokens are the k largest does not depend on it,
     # and after a huge temperature every quotient rounds to 0, which would keep them all.
+    # And before the shift: subtracting a large maximum rounds nearby logits together.
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    logits = logits - logits.max(-1, keepdim=True).values
     tempered = _divide(logits, float(params.temperature))
     if params.top_p < 1.0:
         # Rank by the logits before the temperature (the same order, but a huge temperature

@@ -93,8 +93,9 @@ def _plan(state: DecodeState, engine) -> _Plan | None:
     chain = None
     if SUFFIX in state.proposals and most > 1:  # free to look at: see it before choosing
         chain = engine.suffix.propose([(state, most)])[0]
+    pending = sum(t.shape[0] for t in state.proposals[DFLASH].pending) if DFLASH in state.proposals else 0
     who, n = policy.plan(chain.confidence if chain is not None and len(chain.tokens) else None,
-                         engine.suffix.lookup_s, DFLASH in state.proposals)
+                         engine.suffix.lookup_s, DFLASH in state.proposals, pending)
     if who == "suffix":
         n = min(n, most)
         plan = _Plan(state, n, SUFFIX)

@@ -349,8 +349,13 @@ class Worker:
                 "device": str(self.engine.target.device),
                 "dtype": _dtype_name(self.engine.target.dtype),
                 "draft_dtype": _dtype_name(self.engine.draft_dtype),
+                "draft_runtime": getattr(self.engine, "draft_runtime", None),  # torch, or onnx (one ONNX Runtime graph)
+                # tokens the drafter may propose (None: the whole vocabulary; dflash.engine.draft_vocab)
+                "draft_vocab": None if getattr(self.engine, "draft_vocab", None) is None
+                else int(self.engine.draft_vocab.numel()),
                 "target_backend": self.engine.target.backend,
-                # how it was chosen (--target-backend auto: the measured step of each candidate)
+                # how it was chosen (--target-backend auto: each candidate's measured prices and the
+                # tokens per second it promised)
                 "target_backend_choice": getattr(self.engine.target, "selection", None),
                 # None: this process runs the models; else the inference server that does (--backend openai)
                 "endpoint": self.engine.endpoint,
@@ -377,7 +382,9 @@ class Worker:
 
 
 def _dtype_name(dtype) -> str | None:
-    return None if dtype is None else str(dtype).replace("torch.", "")
+    from dflash.engine.engine import dtype_name
+
+    return None if dtype is None else dtype_name(dtype)
 
 
 class _Idle(Exception):

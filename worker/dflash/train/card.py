@@ -135,6 +135,8 @@ def _settings(stage: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from dflash.engine.draft_vocab import FILE as DRAFT_VOCAB
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--drafter", required=True, help="drafter folder with training.json")
     p.add_argument("--bench", help="bench output folder (or results.json) of the yardstick run on this drafter")
@@ -153,6 +155,8 @@ def main(argv=None) -> int:
         dest.mkdir(parents=True, exist_ok=True)
         for name in ("config.json", "model.safetensors", LINEAGE_FILE):
             shutil.copy(src / name, dest / name)
+        if (src / DRAFT_VOCAB).is_file():  # else the shipped draft vocabulary stays (a vocabulary fits any drafter)
+            shutil.copy(src / DRAFT_VOCAB, dest / DRAFT_VOCAB)
     (target / "README.md").write_text(card(target))
     print(f"model card written to {target / 'README.md'}")
     return 0

@@ -23,35 +23,75 @@ from dflash.engine.versions import model_digest
 NAME = "dflash"
 
 
+class DraftHead:
+    """The drafter's LM head: the target's head (which the drafter borrows) restricted to the
+    draft vocabulary, when the drafter has one (`vocab`: the target ids it may draft, the
+    most frequent of the training corpus; dflash.train.draft_vocab), and computed in the
+    drafter's precision (int8 weights on a CPU where that measured fastest). Over the whole
+    vocabulary the head is about as large as the rest of the drafter together; drafts are
+    proposals the target verifies, so a token outside the draft vocabulary is merely never
+    proposed: output is unchanged."""
+
+    def __init__(self, weight: torch.Tensor, vocab: torch.Tensor | None, dtype: torch.dtype, int8: bool):
+        w = weight if vocab is None else weight[vocab.to(weight.device)]
+        self.vocab = None if vocab is None else vocab.to(weight.device)
+        self.size = w.shape[0]
+        self._linear = None
+        if int8:
+            layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+            layer.weight.data = w.float().contiguous()
+            self._linear = quantize_int8(torch.nn.Sequential(layer))
+            self.weight = None
+        else:
+            self.weight = w if w.dtype == dtype else w.to(dtype)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, size] over the draft vocabulary."""
+        if self._linear is not None:
+            return self._linear(hidden.float())
+        return torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight).float()
+
+    def token_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft-vocabulary rows."""
+        return rows if self.vocab is None else self.vocab[rows]
+
+    def full(self, probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """A distribution over the draft vocabulary as one over the target's (zero outside)."""
+        if self.vocab is None:
+            return probs
+        out = probs.new_zeros(probs.shape[0], vocab_size)
+        return out.index_copy_(1, self.vocab, probs)
+
+
+def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `module` whose Linear layers run int8 weights with per-row int8 activations
+    (PyTorch's dynamic quantization; FBGEMM/oneDNN kernels on x86)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(module, {torch.nn.Linear}, dtype=torch.qint8)
+
+
 @dataclass(frozen=True)
 class DrafterInUse:
     """A drafter and what drafting with it needs."""
 
-    model: object  # DFlashDrafter or OnnxDrafter
+    model: object  # DFlashDrafter (maybe with int8 Linear layers) or OnnxDrafter
     mask_embeds: torch.Tensor  # the target's embedding of the mask token, one row per block slot
     name: str
     version: str | None  # dflash.engine.versions: a digest of the weights
-    # The target's LM head in the drafter's dtype (the drafter borrows it). Drafts are only
-    # proposals, so they may be computed in a cheaper dtype than the target's (bf16 on a
-    # CPU with native bf16, for instance) without changing the output.
-    head: torch.Tensor
+    head: DraftHead  # the borrowed LM head, over the draft vocabulary
     layer_ids: tuple[int, ...]
+    source: object  # the drafter as it was given (before an int8 copy was made of it)
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the activations the drafter takes."""
         return self.mask_embeds.dtype
 
     def block(self, anchor_embed: torch.Tensor, draft_len: int) -> torch.Tensor:
         return torch.cat((anchor_embed.to(self.dtype), self.mask_embeds[: draft_len - 1]))
-
-    def logits(self, context: torch.Tensor, anchor_embed: torch.Tensor, draft_len: int, positions: torch.Tensor,
-               cache) -> torch.Tensor:
-        """One drafter forward over [anchor, MASK * (draft_len - 1)] after the new context
-        features [S, F]; returns fp32 logits of the draft_len - 1 drafted rows."""
-        with torch.inference_mode():
-            hidden = self.model(context.to(self.dtype)[None], self.block(anchor_embed, draft_len)[None], positions,
-                                cache)
-            return torch.nn.functional.linear(hidden[0, 1:], self.head).float()
 
 
 @dataclass
@@ -64,23 +104,38 @@ class DFlashState:
 class DFlashProposer:
     name = NAME
 
-    def __init__(self, target, drafter, name: str, sha256: str | None, dtype: torch.dtype):
+    def __init__(self, target, drafter, name: str, sha256: str | None, dtype: torch.dtype,
+                 vocab: torch.Tensor | None = None, runtime: str = "torch"):
+        """`dtype`: the drafter's precision; torch.qint8 runs its Linear layers (and the head)
+        with int8 weights and fp32 activations. `vocab`: its draft vocabulary (None: all).
+        `runtime`: "torch", or "onnx" for the int8 drafter as one ONNX graph run by ONNX
+        Runtime (dflash.engine.drafter_graph)."""
         self.target = target
-        self.dtype = dtype
-        w = target.head_weight()
-        self.head = w if w.dtype == dtype else w.to(dtype)
+        self.int8 = dtype == torch.qint8
+        self.dtype = torch.float32 if self.int8 else dtype  # of the activations
+        self.vocab = vocab
+        self.runtime = runtime
         self.install(drafter, name, sha256)
 
     def install(self, drafter, name: str, sha256: str | None) -> None:
-        """Draft with this drafter from now on (requests already started keep theirs)."""
-        target = self.target
+        """Draft with this drafter from now on (requests already started keep theirs; the
+        draft vocabulary stays: a swapped-in drafter continues the one it replaces)."""
+        target, vocab = self.target, self.vocab
         model = drafter.to(device=target.device, dtype=self.dtype)
+        self.sha256 = sha256 if sha256 is not None else model_digest(drafter)
+        if self.int8 and isinstance(model, torch.nn.Module):
+            if self.runtime == "onnx":
+                from dflash.engine.drafter_graph import runner
+
+                model = runner(model, self.sha256)
+            else:
+                model = quantize_int8(model)
         cfg = drafter.config
         # The mask rows of every block are the same: embed them once.
         mask = target.embed(torch.full((cfg.block_size,), cfg.mask_token_id, device=target.device)).to(self.dtype)
-        self.sha256 = sha256 if sha256 is not None else model_digest(drafter)
-        self.current = DrafterInUse(model, mask, name, version_label(self.sha256), self.head,
-                                    tuple(cfg.target_layer_ids))
+        head = DraftHead(target.head_weight(), vocab, self.dtype, self.int8)
+        self.current = DrafterInUse(model, mask, name, version_label(self.sha256), head, tuple(cfg.target_layer_ids),
+                                    drafter)
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
@@ -107,10 +162,11 @@ class DFlashProposer:
             ps.pending.clear()
             jobs.append((ps, ctx, state.output_ids[-1], state.length - 1, D))
         logits = self.draft_logits(jobs)
-        return [_draft(rows, state) for rows, (state, _) in zip(logits, items)]
+        return [_draft(rows, state, job[0].drafter.head, self.target.vocab_size)
+                for rows, (state, _), job in zip(logits, items, jobs)]
 
     def draft_logits(self, jobs: list[tuple[DFlashState, torch.Tensor, int, int, int]]) -> list[torch.Tensor]:
-        """fp32 logits [D - 1, V] of the drafted rows for each (proposer state, new context
+        """fp32 logits [D - 1, K] over the draft vocabulary of the drafted rows for each (proposer state, new context
         features, anchor id, anchor position, D); the context enters each state's cache."""
         out: dict[int, torch.Tensor] = {}
         groups: dict[int, list[int]] = {}
@@ -136,18 +192,19 @@ class DFlashProposer:
         else:
             packed = drafter.model.forward_packed(parts)
             hidden = [packed[p.q_at + 1 : p.q_at + p.L] for p in parts]
-        rows = torch.nn.functional.linear(torch.cat(hidden) if len(hidden) > 1 else hidden[0], drafter.head).float()
+        rows = drafter.head(torch.cat(hidden) if len(hidden) > 1 else hidden[0])
         return list(rows.split([p.L - 1 for p in parts]))
 
 
-def _draft(logits: torch.Tensor, state) -> Draft:
-    """Tokens from the drafter's logits as the request's verify rule needs them, and each
-    position's confidence (the draft distribution's peak; block length auto only)."""
+def _draft(logits: torch.Tensor, state, head: DraftHead, vocab_size: int) -> Draft:
+    """Tokens from the drafter's logits (over its draft vocabulary) as the request's verify
+    rule needs them, and each position's confidence (the draft distribution's peak; block
+    length auto only)."""
     want_confidence = state.policy is not None
     if state.params.verify_mode == "probabilistic":
         probs = warp(logits, state.params)
-        tokens = sample(probs, state.generator)
+        rows = sample(probs, state.generator)
         confidence = probs.max(-1).values.tolist() if want_confidence else None
-        return Draft(tokens, probs, confidence)
+        return Draft(head.token_ids(rows), head.full(probs, vocab_size), confidence)
     confidence = logits.softmax(-1).max(-1).values.tolist() if want_confidence else None
-    return Draft(logits.argmax(-1), None, confidence)
+    return Draft(head.token_ids(logits.argmax(-1)), None, confidence)

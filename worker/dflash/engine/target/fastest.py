@@ -1,11 +1,16 @@
-"""Which target backend runs fastest on this machine: measured, cached, spot-checked.
+"""Which target backend decodes fastest on this machine: measured, cached, spot-checked.
 
-The machines differ (an AVX-512 Xeon, an AVX2-only EPYC, a GPU box), so the choice is a
-measurement, never a rule: the same plain decoding step (one sequence, one new token after
-a short prompt, with the drafter's feature layers asked for) timed on each candidate. The
-result is cached per machine, thread count and model files like the cost curve; on a
-later start the chosen backend's step is timed again and a choice whose step got more
-than STALE times slower is measured afresh.
+The machines differ (an AVX-512 Xeon, an AVX2-only EPYC, a GPU box) and so do the backends'
+prices: llama.cpp's Q4_1 kernels give the cheapest plain step on an AVX2 EPYC but pay every
+verified row in full, ONNX Runtime's int8 kernels read more bytes per step but verify 4
+rows for about 1.35 plain steps, and prefills a prompt 1.7x as fast. Which one is faster
+depends on all three, so the choice weighs them as a typical request would meet them: the
+prefill of a 128-token prompt, then 128 new tokens at the expected rate of block length auto
+(per backend the best of drafting 0, 1 or 3 tokens per step, at the policy's default
+acceptance prior and the drafter's measured price); the shortest time wins. The result is
+cached per machine, thread count and runtime versions like the cost curve; on a later start
+the chosen backend's plain step is timed again and a choice whose step got more than STALE
+times slower is measured afresh.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ import statistics
 import time
 from pathlib import Path
 
+from dflash.engine.knobs import PolicyConfig
+from dflash.engine.policy import Prior, expected_tokens
 from dflash.engine.target.protocol import TargetRow
 
 PROMPT_TOKENS = 64
 REPEATS = 9
 STALE = 1.5
+LENGTHS = (1, 2, 4)  # verify lengths timed; the drafter's price is timed at the same block lengths
 
 
 def step_seconds(target, layer_ids: tuple[int, ...] = (), repeats: int = REPEATS) -> float:
@@ -40,6 +48,43 @@ def step_seconds(target, layer_ids: tuple[int, ...] = (), repeats: int = REPEATS
         target.free(seq)
 
 
+NEW_TOKENS = 128  # a typical request: prefill_tokens of prompt (costs.PREFILL_TOKENS), this many new
+
+
+def request_seconds(prices: dict, acceptance: list[float]) -> float:
+    """A typical request's time on a backend: its prompt's prefill, then NEW_TOKENS at the
+    expected rate (prefill prices differ more between backends than decode prices do: llama.cpp
+    prefills in calls of at most 63 rows, ONNX Runtime's int8 kernels take a whole chunk)."""
+    prefill = sum(prices.get("prefill", {}).values())
+    return prefill + NEW_TOKENS / expected_rate(prices, acceptance)
+
+
+def expected_rate(prices: dict, acceptance: list[float]) -> float:
+    """Tokens per second of a lone request at the best of the timed lengths: `prices` holds
+    seconds by length, {"verify": {"1": s, "2": s, "4": s}, "draft": {"2": s, "4": s}}."""
+    best = 0.0
+    for L in LENGTHS:
+        cost = prices["verify"][str(L)] + (prices["draft"][str(L)] if L > 1 else 0.0)
+        best = max(best, expected_tokens(acceptance, L) / cost)
+    return best
+
+
+def default_acceptance(cfg: PolicyConfig = PolicyConfig()) -> list[float]:
+    return Prior.default(max(LENGTHS), cfg).rates()
+
+
+def runtime_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("torch", "llama-cpp-python", "onnxruntime", "onnxruntime-genai"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
 def cache_file(directory: Path, key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(directory) / f"target-backend-{digest}.json"
@@ -48,17 +93,20 @@ def cache_file(directory: Path, key: dict) -> Path:
 def cached_choice(directory: Path | None, key: dict) -> dict | None:
     if directory is None:
         return None
-    path = cache_file(directory, key)
     try:
-        got = json.loads(path.read_text())
+        got = json.loads(cache_file(directory, key).read_text())
     except (OSError, ValueError):
         return None
-    return got if got.get("key") == key and got.get("choice") in got.get("step_s", {}) else None
+    return got if got.get("key") == key and got.get("choice") in got.get("measured", {}) else None
 
 
-def remember(directory: Path | None, key: dict, step_s: dict[str, float]) -> dict:
-    choice = min(step_s, key=step_s.get)
-    record = {"key": key, "step_s": step_s, "choice": choice}
+def remember(directory: Path | None, key: dict, measured: dict[str, dict]) -> dict:
+    """Choose from each backend's measured prices (spot_prices) and cache the choice."""
+    acceptance = default_acceptance()
+    rates = {name: expected_rate(prices, acceptance) for name, prices in measured.items()}
+    request = {name: request_seconds(prices, acceptance) for name, prices in measured.items()}
+    record = {"key": key, "measured": measured, "acceptance": acceptance, "expected_tokens_per_s": rates,
+              "request_s": request, "choice": min(request, key=request.get)}
     if directory is not None:
         path = cache_file(directory, key)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,5 +116,15 @@ def remember(directory: Path | None, key: dict, step_s: dict[str, float]) -> dic
     return record
 
 
+def summary(record: dict) -> dict:
+    """What `status` shows of a choice: each backend's prices (ms) and expected tokens/s."""
+    ms = {name: {kind: {L: round(s * 1e3, 2) for L, s in by_len.items()} for kind, by_len in prices.items()}
+          for name, prices in record["measured"].items()}
+    return {"prices_ms": ms, "expected_tokens_per_s": {k: round(v, 1) for k, v in
+                                                       record["expected_tokens_per_s"].items()},
+            "request_s": {k: round(v, 3) for k, v in record.get("request_s", {}).items()},
+            **({"failed": record["failed"]} if record.get("failed") else {})}
+
+
 def is_stale(record: dict, measured_s: float) -> bool:
-    return measured_s > STALE * record["step_s"][record["choice"]]
+    return measured_s > STALE * record["measured"][record["choice"]]["verify"]["1"]

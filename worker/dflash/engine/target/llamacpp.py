@@ -26,13 +26,13 @@ logits are close.
 from __future__ import annotations
 
 import ctypes
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from dflash.engine.target.hf_files import read_hf_side
 from dflash.engine.target.protocol import TargetOutput, TargetRow
 from dflash.errors import DFlashError
 
@@ -98,35 +98,16 @@ class LlamaCppSequence:
     length: int = 0
 
 
-def _read_tensors(folder: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for name in names:
-                if name in sf.keys() and name not in out:
-                    out[name] = sf.get_tensor(name).float()
-    return out
-
-
 class LlamaCppTarget:
     backend = NAME
 
     def __init__(self, gguf: str | Path, hf_dir: str | Path, threads: int | None = None,
                  max_sequences: int = MAX_SEQUENCES, context: int = DEFAULT_CONTEXT):
-        from transformers import AutoConfig, AutoTokenizer
-
         C, self._set_inp, self._get_inp = _binding()
         self._C = C
         gguf, hf_dir = Path(gguf), Path(hf_dir)
-        if not gguf.is_file():
-            raise DFlashError("bad_target", f"llama.cpp backend: no GGUF file at {gguf}")
-        if not (hf_dir / "config.json").is_file():
-            raise DFlashError("bad_target", f"llama.cpp backend: {hf_dir} has no config.json (the tokenizer, "
-                                            "embedding and LM head come from the target's Hugging Face folder)")
-        cfg = AutoConfig.from_pretrained(hf_dir)
-        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        side = read_hf_side(hf_dir, "llama.cpp", gguf, "GGUF file")
+        cfg = side.config
         mp = C.llama_model_default_params()
         mp.n_gpu_layers = 0
         self.model = C.llama_model_load_from_file(str(gguf).encode(), mp)
@@ -166,18 +147,10 @@ class LlamaCppTarget:
         self._out = np.ctypeslib.as_array(b.logits, shape=(BATCH_TOKENS,))
         self._sid = [b.seq_id[i] for i in range(BATCH_TOKENS)]
 
-        weights = _read_tensors(hf_dir, ("model.embed_tokens.weight", "lm_head.weight"))
-        if "model.embed_tokens.weight" not in weights:
-            raise DFlashError("bad_target", f"{hf_dir} holds no model.embed_tokens.weight")
-        self._embed = weights["model.embed_tokens.weight"]
-        self._head = weights.get("lm_head.weight", self._embed)  # tied, as in SmolLM2
+        self._embed, self._head = side.embed, side.head
         if self._embed.shape != (self.vocab_size, self.hidden_size):
             raise DFlashError("bad_target", f"{hf_dir}'s embedding {tuple(self._embed.shape)} does not fit {gguf}")
-        self.tokenizer = AutoTokenizer.from_pretrained(hf_dir) if (hf_dir / "tokenizer_config.json").exists() else None
-        gen = hf_dir / "generation_config.json"
-        eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
-        eos = eos if eos is not None else getattr(cfg, "eos_token_id", None)
-        self.eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
+        self.tokenizer, self.eos_ids = side.tokenizer, side.eos_ids
         self.device = torch.device("cpu")
         self.dtype = torch.float32  # of what it returns (logits, features); the weights stay quantized
 

@@ -1,0 +1,65 @@
+"""The drafter as one ONNX Runtime graph (dflash.engine.drafter_graph): in fp32 it computes
+what the PyTorch drafter computes; int8 weights stay close; drafting with it keeps the
+target's output, and the engine measures it beside the other precisions."""
+
+import pytest
+import torch
+
+from dflash.engine.drafter import init_random_drafter
+
+pytest.importorskip("onnxruntime")
+
+
+def _run(drafter, ctx, block, split=5):
+    cache = drafter.new_cache()
+    with torch.inference_mode():
+        drafter(ctx[:, :split], block[:, :1], torch.arange(0, split + 1), cache)
+        cache.length = split
+        n = ctx.shape[1] - split
+        return drafter(ctx[:, split:], block, torch.arange(split, split + n + block.shape[1]), cache)
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_the_graph_computes_the_drafters_step(bits):
+    from dflash.engine.drafter_graph import build
+    from dflash.engine.onnx_drafter import OnnxDrafter
+    from tests.conftest import tiny_drafter_config
+
+    cfg = tiny_drafter_config()
+    drafter = init_random_drafter(cfg, seed=3, std=0.2).eval()
+    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("rotary.")}
+    graph = OnnxDrafter.from_bytes(build(cfg, state, bits=bits).SerializeToString(), cfg)
+    ctx, block = torch.randn(1, 9, cfg.num_features * cfg.hidden_size), torch.randn(1, 4, cfg.hidden_size)
+    got, want = _run(graph, ctx, block), _run(drafter, ctx, block)
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    if bits is None:
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    else:
+        assert cos > 0.98
+    cache_ref, cache_graph = drafter.new_cache(), graph.new_cache()  # the caches hold the same context rows
+    with torch.inference_mode():
+        drafter(ctx, block, torch.arange(0, 13), cache_ref)
+    graph(ctx, block, torch.arange(0, 13), cache_graph)
+    assert cache_graph.length == cache_ref.length == 9
+
+
+def test_drafting_with_the_graph_keeps_the_output(tiny_engine):
+    from dflash.engine.engine import Engine, GenerationRequest
+
+    engine = Engine(tiny_engine.target, tiny_engine.drafter, "tiny-graph", draft_dtype="int8", draft_runtime="onnx",
+                    cost_curve=tiny_engine.cost_curve)
+    assert engine.draft_runtime == "onnx" and type(engine.dflash.current.model).__name__ == "OnnxDrafter"
+    for prompt in ([5, 6, 7], [9, 3, 4, 11]):
+        plain = tiny_engine.generate(GenerationRequest(input_ids=prompt, max_new_tokens=16, block_size=1))
+        for block in (4, None):
+            got = engine.generate(GenerationRequest(input_ids=prompt, max_new_tokens=16, block_size=block))
+            assert got.output_ids == plain.output_ids
+
+
+def test_auto_measures_every_drafter_runtime(tiny_engine):
+    from dflash.engine.engine import Engine, draft_candidates
+
+    engine = Engine(tiny_engine.target, tiny_engine.drafter, "tiny-auto", draft_dtype="auto",
+                    cost_curve=tiny_engine.cost_curve)
+    assert (engine.draft_dtype, engine.draft_runtime) in draft_candidates(tiny_engine.target)
+    assert (torch.qint8, "onnx") in draft_candidates(tiny_engine.target)

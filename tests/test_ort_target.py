@@ -1,0 +1,159 @@
+"""The int8 ONNX Runtime target backend (dflash.engine.target.ort): the target exported by
+dflash.convert.onnx_target behind the Target protocol. A token's numbers are bit-identical
+however it reaches the target (alone, in a verify block, in a prefill chunk, beside another
+sequence), rollback equals never having cached the rejected rows, and greedy decoding with
+drafts (fixed block sizes and auto, int8 drafter with a draft vocabulary) is exactly the same
+backend's plain greedy output. Bad model files are clean errors naming the file."""
+
+import pytest
+import torch
+
+from dflash.convert import onnx_target
+from dflash.engine.target import ort
+from dflash.engine.target.protocol import TargetRow
+from dflash.errors import DFlashError
+
+pytestmark = pytest.mark.skipif(not ort.available() or onnx_target.builder_version() is None,
+                                reason="onnxruntime-genai is not installed (make setup)")
+LAYERS = (1, 9, 18, 27)  # the default drafter's
+
+
+@pytest.fixture(scope="module")
+def onnx_file(smol_dir):
+    from dflash.model_files import onnx_export_dir
+
+    return onnx_target.ensure_export(smol_dir, onnx_export_dir(smol_dir))
+
+
+@pytest.fixture(scope="module")
+def ort_target(onnx_file, smol_dir):
+    return ort.OrtTarget(onnx_file, smol_dir, threads=2, context=1024)
+
+
+@pytest.fixture(scope="module")
+def ort_engine(ort_target):
+    from dflash.engine.engine import Engine
+    from dflash.engine import draft_vocab
+    from dflash.loading import load_drafter
+    from dflash.model_files import default_drafter_dir
+    from tests.conftest import cpu_like_costs
+
+    drafter_dir, _ = default_drafter_dir()
+    return Engine(ort_target, load_drafter(drafter_dir), "default-drafter", cost_curve=cpu_like_costs(16),
+                  draft_dtype="int8", draft_vocab=draft_vocab.for_drafter(drafter_dir))
+
+
+def _ids(n, offset=0):
+    return [(1000 + 37 * i + offset) % 49000 for i in range(n)]
+
+
+def test_the_export_is_edited_for_the_engine(onnx_file, smol_dir):
+    import onnxruntime as rt
+
+    names = {i.name for i in rt.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"]).get_inputs()}
+    assert {"seqlens_k", "total_sequence_length", "logit_rows"} <= names and "attention_mask" not in names
+    assert onnx_target.is_current(smol_dir, onnx_file.parent)
+    assert onnx_target.ensure_export(smol_dir, onnx_file.parent) == onnx_file  # cached: not exported again
+
+
+def test_a_token_is_the_same_alone_in_a_block_or_in_a_chunk(ort_target):
+    t = ort_target
+    prompt, new = _ids(50), _ids(12, 3)
+    whole = t.new_sequence()
+    ref = t.forward_batch([TargetRow(whole, prompt + new, len(new))], LAYERS)
+    t.free(whole)
+    for step in (1, 3, 12):
+        seq = t.new_sequence()
+        t.forward_batch([TargetRow(seq, prompt[:30], 0), TargetRow(t.new_sequence(), _ids(7, 1), 1)], LAYERS)
+        t.forward_batch([TargetRow(seq, prompt[30:], 1)], LAYERS)
+        logits, feats = [], []
+        for k in range(0, len(new), step):
+            out = t.forward_batch([TargetRow(seq, new[k : k + step], len(new[k : k + step]))], LAYERS)
+            logits.append(out.logits[0])
+            feats.append(out.features[0])
+        assert torch.equal(torch.cat(logits), ref.logits[0]), f"rows of {step}"
+        assert torch.equal(torch.cat(feats), ref.features[0][-len(new):])
+        t.free(seq)
+
+
+def test_a_packed_forward_equals_each_sequence_alone(ort_target):
+    t = ort_target
+    a, b = t.new_sequence(), t.new_sequence()
+    out = t.forward_batch([TargetRow(a, _ids(40), 1), TargetRow(b, _ids(23, 5), 1)], LAYERS)
+    assert [x.shape for x in out.logits] == [(1, t.vocab_size)] * 2
+    assert out.features[1].shape == (23, 4 * t.hidden_size)
+    step = t.forward_batch([TargetRow(a, _ids(5, 9), 5), TargetRow(b, _ids(1, 7), 1)], LAYERS)
+    assert (a.length, b.length) == (45, 24)
+    for ids, logits in ((_ids(40) + _ids(5, 9), step.logits[0]), (_ids(23, 5) + _ids(1, 7), step.logits[1])):
+        alone = t.new_sequence()
+        assert torch.equal(t.forward_batch([TargetRow(alone, ids, len(logits))], LAYERS).logits[0], logits)
+        t.free(alone)
+
+
+def test_rollback_is_as_if_the_rows_were_never_cached(ort_target):
+    t = ort_target
+    seq = t.new_sequence()
+    t.forward_batch([TargetRow(seq, _ids(30), 1)], LAYERS)
+    t.forward_batch([TargetRow(seq, _ids(8, 2), 8)], LAYERS)
+    t.rollback(seq, 33)
+    after = t.forward_batch([TargetRow(seq, _ids(4, 4), 4)], LAYERS)
+    fresh = t.new_sequence()
+    ref = t.forward_batch([TargetRow(fresh, _ids(30) + _ids(8, 2)[:3] + _ids(4, 4), 4)], LAYERS)
+    assert torch.equal(after.logits[0], ref.logits[0]) and seq.length == 37
+    t.free(seq), t.free(fresh)
+
+
+def test_growing_past_the_first_buffer_keeps_the_cache(ort_target):
+    t = ort_target
+    seq, whole = t.new_sequence(), t.new_sequence()
+    ids = _ids(300)
+    for k in range(0, 300, 100):  # the K/V buffers start at 256 rows and double
+        out = t.forward_batch([TargetRow(seq, ids[k : k + 100], 1)], ())
+    ref = t.forward_batch([TargetRow(whole, ids, 1)], ())
+    assert torch.equal(out.logits[0], ref.logits[0])
+    t.free(seq), t.free(whole)
+
+
+@pytest.mark.parametrize("block_size", [4, 16, None])
+def test_greedy_with_drafts_is_the_backends_plain_greedy(ort_engine, block_size):
+    from dflash.engine.engine import GenerationRequest
+
+    for prompt in ("Write a Python function that reverses a string.", "Name three colors."):
+        plain = ort_engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=40, block_size=1))
+        drafted = ort_engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=40, block_size=block_size))
+        assert drafted.output_ids == plain.output_ids
+    assert ort_engine.draft_dtype == torch.qint8 and ort_engine.dflash.current.head.size < ort_engine.target.vocab_size
+
+
+def test_batched_requests_get_what_they_get_alone(ort_engine):
+    from dflash.engine.engine import GenerationRequest
+
+    prompts = ["Name a fruit.", "Write a haiku about rain.", "What is 2 + 2?"]
+    reqs = [GenerationRequest(prompt=p, max_new_tokens=24, block_size=None) for p in prompts]
+    together = ort_engine.generate_many(reqs)
+    for p, res in zip(prompts, together):
+        alone = ort_engine.generate(GenerationRequest(prompt=p, max_new_tokens=24, block_size=1))
+        assert res.output_ids == alone.output_ids
+
+
+def test_bad_model_files_are_clean_errors(tmp_path, smol_dir, ort_target):
+    from tests.conftest import assert_bad_target
+
+    corrupt, missing = tmp_path / "model.onnx", tmp_path / "missing.onnx"
+    corrupt.write_bytes(b"not an onnx graph")
+    for path in (corrupt, missing):
+        assert_bad_target(lambda: ort.OrtTarget(path, smol_dir, threads=1), path)
+    import onnx
+    from onnx import TensorProto, helper
+
+    other = tmp_path / "other.onnx"  # an ONNX graph, but not one of ours
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    onnx.save(helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y])), other)
+    assert_bad_target(lambda: ort.OrtTarget(other, smol_dir, threads=1), other)
+    assert_bad_target(lambda: onnx_target.ensure_export(tmp_path / "no-model-here", tmp_path / "out"),
+                      tmp_path / "no-model-here")
+    seq = ort_target.new_sequence()
+    with pytest.raises(DFlashError) as err:
+        ort_target.forward_batch([TargetRow(seq, [1, 2], 1)], (ort_target.num_layers,))
+    assert err.value.code == "incompatible_drafter"

@@ -1,0 +1,111 @@
+"""Choosing the target backend (dflash.loading.fastest_engine, dflash.engine.target.fastest):
+the backend that decodes fastest with block length auto wins, which is not always the one
+with the fastest plain step; the choice is cached and spot-checked, and re-measured when the
+machine got slower. The prices here are given (a busy test machine would make timed ones
+arbitrary); the backends are tiny real targets."""
+
+import pytest
+
+from dflash.engine.target import fastest
+
+
+def _prices(plain, verify2, verify4, draft):
+    return {"verify": {"1": plain, "2": verify2, "4": verify4}, "draft": {"2": draft, "4": draft}}
+
+
+def test_a_backend_that_verifies_cheaply_wins_when_drafts_are_cheap():
+    acc = fastest.default_acceptance()
+    llamacpp_like = _prices(0.016, 0.032, 0.043, 0.004)  # the cheapest plain step, every row paid in full
+    ort_like = _prices(0.017, 0.018, 0.024, 0.003)  # a dearer plain step, rows nearly free
+    assert fastest.expected_rate(ort_like, acc) > fastest.expected_rate(llamacpp_like, acc)
+    # ... and the cheapest plain step wins when drafting costs more than it brings
+    dear = {k: _prices(*v[:3], 0.040) for k, v in {"a": (0.016, 0.032, 0.043), "b": (0.020, 0.021, 0.028)}.items()}
+    assert fastest.expected_rate(dear["a"], acc) == pytest.approx(1 / 0.016)
+    assert fastest.expected_rate(dear["a"], acc) > fastest.expected_rate(dear["b"], acc)
+    record = fastest.remember(None, {"k": 1}, {"llamacpp": llamacpp_like, "ort": ort_like})
+    assert record["choice"] == "ort" and set(fastest.summary(record)["prices_ms"]) == {"llamacpp", "ort"}
+    # A typical request also prefills its prompt: a backend whose decode is a little faster but
+    # whose prefill is far slower loses.
+    slow_prefill = {**dear["a"], "prefill": {"128": 0.9}}
+    fast_prefill = {**dear["b"], "prefill": {"128": 0.3}}
+    assert fastest.expected_rate(slow_prefill, acc) > fastest.expected_rate(fast_prefill, acc)
+    assert fastest.remember(None, {"k": 2}, {"a": slow_prefill, "b": fast_prefill})["choice"] == "b"
+
+
+@pytest.fixture
+def two_tiny_backends(monkeypatch):
+    """Two builders of tiny real targets, with the prices spot_prices will 'measure' for each."""
+    from dflash.engine import costs
+    from dflash.loading import _Builder
+    from tests.conftest import make_tiny_target
+
+    prices = {"slow_plain": _prices(0.010, 0.020, 0.040, 0.002), "fast_verify": _prices(0.012, 0.0125, 0.014, 0.002)}
+    built = []
+
+    def builder(name):
+        def make():
+            t = make_tiny_target(seed=len(built))
+            t.backend = name
+            built.append(name)
+            return t
+        return _Builder(make, None)
+
+    monkeypatch.setattr(costs, "spot_prices", lambda engine: prices[engine.target.backend])
+    return {name: builder(name) for name in prices}, prices, built
+
+
+def _engine_over(target, draft_dtype=None):
+    from dflash.engine.drafter import init_random_drafter
+    from dflash.engine.engine import Engine
+    from tests.conftest import tiny_drafter_config
+
+    return Engine(target, init_random_drafter(tiny_drafter_config(), seed=1), "tiny", draft_dtype=draft_dtype)
+
+
+def test_the_choice_is_measured_cached_and_spot_checked(tmp_path, two_tiny_backends, monkeypatch):
+    from dflash.loading import fastest_engine
+
+    builders, prices, built = two_tiny_backends
+    first = fastest_engine(builders, _engine_over, "tiny", tmp_path)
+    assert first.target.backend == "fast_verify" and first.target.selection["how"] == "measured at start"
+    assert sorted(built) == ["fast_verify", "fast_verify", "slow_plain"]  # both measured, the winner built again
+    rates = first.target.selection["expected_tokens_per_s"]
+    assert rates["fast_verify"] > rates["slow_plain"]
+    # A later start takes the cached choice after timing its plain step once ...
+    monkeypatch.setattr(fastest, "step_seconds", lambda target, layers, repeats=5: 0.011)
+    built.clear()
+    again = fastest_engine(builders, _engine_over, "tiny", tmp_path)
+    assert again.target.selection["how"].startswith("measured earlier") and built == ["fast_verify"]
+    # ... unless that step is now STALE times slower than when the choice was made: measure again.
+    monkeypatch.setattr(fastest, "step_seconds", lambda target, layers, repeats=5: 0.012 * fastest.STALE * 1.1)
+    built.clear()
+    third = fastest_engine(builders, _engine_over, "tiny", tmp_path)
+    assert third.target.selection["how"] == "measured at start" and "slow_plain" in built
+
+
+def test_a_backend_asked_for_that_cannot_run_is_a_clean_error(smol_dir):
+    from dflash.errors import DFlashError
+    from dflash.loading import load_target, target_builders
+
+    with pytest.raises(DFlashError) as err:
+        load_target(smol_dir, "llamacpp", gguf=None)
+    assert err.value.code == "bad_target" and "GGUF" in err.value.message
+    builders = target_builders(smol_dir, device="cpu", dtype="bfloat16")
+    assert builders["hf"].why_not is None and "float32" in builders["ort"].why_not
+    with pytest.raises(DFlashError) as err:
+        load_target(smol_dir, "ort", dtype="bfloat16")
+    assert err.value.code == "bad_target"
+
+
+@pytest.mark.slow
+def test_auto_on_this_machine_takes_a_measured_backend(tmp_path):
+    """The real thing: every backend that runs here measured with the shipped drafter."""
+    from dflash.loading import load_engine
+    from dflash.model_files import default_drafter_dir, default_target_gguf, ensure_default_target
+
+    engine = load_engine(ensure_default_target(quiet=True), default_drafter_dir()[0], cost_dir=tmp_path,
+                         target_gguf=default_target_gguf())
+    sel = engine.target.selection
+    rates = sel["expected_tokens_per_s"]
+    assert sel["how"] == "measured at start" and engine.target.backend == max(rates, key=rates.get)
+    assert {"hf", "llamacpp", "ort"} >= set(rates) and "hf" in rates

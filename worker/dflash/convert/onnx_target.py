@@ -1,0 +1,190 @@
+"""The target as an int8 ONNX graph for ONNX Runtime's CPU kernels (the `ort` target backend).
+
+ONNX Runtime GenAI's model builder (the well-kept exporter for these architectures) writes
+the Hugging Face folder as one graph: block-quantized 8-bit weights (`MatMulNBits`, blocks of
+32, int8 activations), fused rotary attention (`GroupQueryAttention`) and explicit K/V
+inputs and outputs. Why int8 and not the shipped 4 bits: ONNX Runtime's int8 kernels reuse
+each weight block across the rows of a call, so verifying 4 or 8 drafted tokens costs little
+more than one (llama.cpp's Q4_1 kernels pay each row in full on an AVX2 CPU), and 8 bits
+re-quantize the Q4_1 values almost exactly (4-bit re-quantization of 4-bit weights does not).
+
+The builder's graph is then edited for what the engine needs:
+- `seqlens_k` [B] int32 and `total_sequence_length` [] int32 replace `attention_mask`: each
+  batch entry's valid length after this call minus one, and the longest; with K/V bound in
+  place (ONNX Runtime's shared past/present buffers) nothing is copied per step;
+- `logit_rows` [R] int64: the flattened [B * S] rows that get logits (a prefill chunk needs
+  one, a verify block all), so the LM head runs over those rows only;
+- `features.{i}` [B, S, H]: the residual stream after decoder layer i (Hugging Face's
+  `hidden_states[i + 1]`), every layer, for the drafter's target features.
+
+The export is cached (dflash.model_files.onnx_export_dir) with a manifest of what made it;
+an export whose manifest disagrees with its source folder is made again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from dflash.errors import DFlashError
+
+FORMAT = 1  # bump when the edits below change
+MODEL_FILE = "model.onnx"
+MANIFEST = "dflash-onnx-target.json"
+PRECISION = "int8"
+
+
+def builder_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("onnxruntime-genai")
+    except Exception:
+        return None
+
+
+def _source_key(hf_dir: Path) -> dict:
+    """What the export depends on: this module's edits, the precision and the source files."""
+    files = sorted(p for p in hf_dir.iterdir() if p.suffix in (".json", ".safetensors"))
+    return {"format": FORMAT, "precision": PRECISION, "source": {p.name: p.stat().st_size for p in files}}
+
+
+def is_current(hf_dir: Path, out: Path) -> bool:
+    """Whether `out` holds an export of `hf_dir` as it is now (made by the builder installed
+    here, when one is: a machine that runs the export without the builder, such as the
+    worker image, takes it as made)."""
+    try:
+        manifest = json.loads((Path(out) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    builder = builder_version()
+    return (manifest.get("key") == _source_key(Path(hf_dir)) and (Path(out) / MODEL_FILE).is_file()
+            and (builder is None or manifest.get("builder") == builder))
+
+
+def ensure_export(hf_dir: str | Path, out: str | Path, quiet: bool = True) -> Path:
+    """The int8 ONNX export of the Hugging Face folder `hf_dir` in folder `out` (made once,
+    20-60 s on 2 cores, whole or not at all), edited as the module says; the model file."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    if is_current(hf_dir, out):
+        return out / MODEL_FILE
+    if builder_version() is None:
+        raise DFlashError("bad_target", "the ort target backend needs onnxruntime-genai (its model builder) to export "
+                                        f"{hf_dir}; make setup installs it")
+    if not (hf_dir / "config.json").is_file():
+        raise DFlashError("bad_target", f"target directory {hf_dir} has no config.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        built = work / "built"
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", hf_dir.name, "-i", str(hf_dir),
+               "-o", str(built), "-p", PRECISION, "-e", "cpu", "-c", str(work / "cache")]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        if not quiet:
+            print(f"exporting {hf_dir.name} to an {PRECISION} ONNX graph (once) ...", file=sys.stderr)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0 or not (built / MODEL_FILE).is_file():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise DFlashError("bad_target", f"ONNX Runtime's model builder cannot export {hf_dir}: {' | '.join(tail)}")
+        final = work / "final"
+        final.mkdir()
+        edit(built / MODEL_FILE, final / MODEL_FILE)
+        manifest = {"key": _source_key(hf_dir), "builder": builder_version()}
+        (final / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        final.rename(out)  # whole or not at all
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out / MODEL_FILE
+
+
+def edit(src: Path, dst: Path) -> None:
+    """The builder's graph with the inputs and outputs the engine needs (module doc)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(src))
+    g = model.graph
+    nodes = list(g.node)
+    gqa = [n for n in nodes if n.op_type == "GroupQueryAttention"]
+    head = [n for n in nodes if n.output and n.output[0] == "logits"]
+    if not gqa or len(head) != 1:
+        raise DFlashError("bad_target", f"{src}: not the graph shape this backend edits (GroupQueryAttention layers and "
+                                        "one logits node)")
+    # 1. lengths in, attention_mask out
+    for n in gqa:
+        n.input[5], n.input[6] = "seqlens_k", "total_sequence_length"
+    keep_inputs = [i for i in g.input if i.name != "attention_mask"]
+    del g.input[:]
+    g.input.extend(keep_inputs)
+    g.input.extend([helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch_size"]),
+                    helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+                    helper.make_tensor_value_info("logit_rows", TensorProto.INT64, ["logit_rows"])])
+    # 2. logits of the asked rows only: [B, S, H] -> [B * S, H] -> rows -> LM head
+    lm = head[0]
+    normed = lm.input[0]
+    hidden = _hidden_size(model, lm)
+    shape = helper.make_tensor("dflash/rows_shape", TensorProto.INT64, [2], [-1, hidden])
+    g.initializer.append(shape)
+    flat = helper.make_node("Reshape", [normed, "dflash/rows_shape"], ["dflash/rows"], name="dflash/rows")
+    pick = helper.make_node("Gather", ["dflash/rows", "logit_rows"], ["dflash/picked"], axis=0, name="dflash/pick")
+    lm.input[0] = "dflash/picked"
+    # 3. the residual stream after every decoder layer
+    layers = len(gqa)
+    feats = []
+    for i in range(layers):
+        node = _residual_node(nodes, i + 1, layers)
+        while len(node.output) < 4:
+            node.output.append("")
+        if not node.output[3]:
+            node.output[3] = f"dflash/residual.{i}"
+        feats.append(helper.make_node("Identity", [node.output[3]], [f"features.{i}"], name=f"dflash/features.{i}"))
+    # Insert the new nodes where their inputs exist (the graph stays topologically sorted).
+    at = nodes.index(lm)
+    nodes[at:at] = [flat, pick]
+    nodes += feats
+    del g.node[:]
+    g.node.extend(_drop_dead(nodes, {o.name for o in g.output} | {f"features.{i}" for i in range(layers)}))
+    outputs = [o for o in g.output if o.name != "logits"]
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["logit_rows", "vocab_size"]))
+    g.output.extend(outputs)
+    g.output.extend(helper.make_tensor_value_info(f"features.{i}", TensorProto.FLOAT,
+                                                  ["batch_size", "sequence_length", hidden]) for i in range(layers))
+    onnx.save(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=dst.name + ".data", size_threshold=1024)
+
+
+def _hidden_size(model, lm) -> int:
+    for init in model.graph.initializer:
+        if init.name == lm.input[1]:
+            for a in lm.attribute:
+                if a.name == "K":
+                    return a.i
+    raise DFlashError("bad_target", "cannot read the hidden size from the LM head")
+
+
+def _residual_node(nodes, layer: int, layers: int):
+    """The SkipSimplifiedLayerNormalization that opens layer `layer` (or the final norm):
+    its fourth output is the residual sum, i.e. the output of layer `layer` - 1."""
+    name = f"/model/layers.{layer}/input_layernorm/" if layer < layers else f"/model/layers.{layers}/final_norm"
+    got = [n for n in nodes if n.name.startswith(name) and n.op_type == "SkipSimplifiedLayerNormalization"]
+    if len(got) != 1:
+        raise DFlashError("bad_target", f"cannot find the residual stream after layer {layer - 1} in the graph")
+    return got[0]
+
+
+def _drop_dead(nodes, wanted: set[str]):
+    """Nodes whose outputs something still reads (the attention-mask subgraph goes)."""
+    live, keep = set(wanted), []
+    for n in reversed(nodes):
+        if any(o and o in live for o in n.output):
+            keep.append(n)
+            live.update(i for i in n.input if i)
+    return list(reversed(keep))
