@@ -125,6 +125,29 @@ def test_greedy_with_drafts_is_the_backends_plain_greedy(ort_engine, block_size)
     assert ort_engine.draft_dtype == torch.qint8 and ort_engine.dflash.current.head.size < ort_engine.target.vocab_size
 
 
+def test_a_long_prompt_is_the_same_whole_or_in_chunks(ort_target):
+    """A prompt over MAX_ROWS (here 129 tokens of English) gives the same rows however it is
+    prefilled: at once (the backend cuts it into calls of at most 128; one call of 129
+    took another kernel path, 1.0 away in the logits) or in a scheduler's chunks."""
+    t = ort_target
+    text = " ".join(["The quick brown fox jumps over the lazy dog while the database commits."] * 12)
+    ids = t.tokenizer(text, add_special_tokens=False)["input_ids"][:129]
+    assert len(ids) == 129
+    got = {}
+    for chunks in ((len(ids),), (101, 28), (1, 128), (64, 65)):
+        seq, at = t.new_sequence(), 0
+        for n in chunks:
+            out = t.forward_batch([TargetRow(seq, ids[at:at + n], 1)], LAYERS)
+            at += n
+        nxt = t.forward_batch([TargetRow(seq, [ids[0]], 1)], LAYERS)
+        got[chunks] = (out.logits[0][-1], nxt.logits[0][-1])
+        t.free(seq)
+    whole = got.pop((len(ids),))
+    for chunks, (last, nxt) in got.items():
+        assert torch.equal(last, whole[0]), f"the prompt's last row, chunks {chunks}"
+        assert torch.equal(nxt, whole[1]), f"the next token's logits, chunks {chunks}"
+
+
 def test_batched_requests_get_what_they_get_alone(ort_engine):
     from dflash.engine.engine import GenerationRequest
 

@@ -90,9 +90,11 @@ def measure_workload(conn, worker, server, prompts: list[str], tokens: int) -> d
         out[f"workload_proposals_{key}_new_tokens"] = stats[0]
         out[f"workload_proposals_{key}_steps"] = stats[1]
     # Greedy either way: the same answer in both tables, row by row (proposals change speed only).
-    out["workload_answers_differ"] = conn.execute(
-        "SELECT count(*) FROM bench_workload_off a JOIN bench_workload_on b USING (id) WHERE a.answer <> b.answer"
-    ).fetchone()[0]
+    differ = conn.execute(
+        "SELECT id, a.answer, b.answer FROM bench_workload_off a JOIN bench_workload_on b USING (id) "
+        "WHERE a.answer <> b.answer ORDER BY id").fetchall()
+    out["workload_answers_differ"] = len(differ)
+    out["workload_differing"] = [{"id": i, "off": a, "on": b} for i, a, b in differ]
     out["workload_rows"] = len(prompts)
     out["workload_tokens_per_row"] = tokens
     out["workload_speedup"] = out["workload_proposals_off_seconds"] / out["workload_proposals_on_seconds"]

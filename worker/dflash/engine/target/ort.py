@@ -15,8 +15,11 @@ llama.cpp's Q4_1 kernels pay every row in full (2.35). Everything the loop needs
   bit-identical logits and features for a token decoded alone, in a verify block of any
   length, or in a prefill chunk). Two things would break it, both measured: a call of one
   row (attention takes a matrix-vector path that rounds differently, and the int8 network
-  amplifies a 4e-6 difference to ~0.3 in the logits), so a lone row is padded to two; and
-  several sequences in one call, which ONNX Runtime's attention allows only one row each
+  amplifies a 4e-6 difference to ~0.3 in the logits), so a lone row is padded to two; a
+  call of more than 128 rows (another path again: a 129-token prompt prefilled in one call
+  gave logits up to 1.0 away from the same prompt in two chunks, and a different greedy
+  answer when it shared steps with other callers), so longer rows (prompts) run in calls of
+  at most 128; and several sequences in one call, which ONNX Runtime's attention allows only one row each
   (through that same path), so each sequence runs in a call of its own.
 The drafter borrows the embedding and the LM head from the Hugging Face folder (fp32).
 
@@ -41,6 +44,7 @@ NAME = "ort"
 DEFAULT_CONTEXT = 4096
 INITIAL_CAPACITY = 256  # K/V rows of a sequence at first; doubles as it grows
 MIN_ROWS = 2  # a call of one row takes another kernel path (module doc)
+MAX_ROWS = 128  # and so does a call of more (module doc): longer rows go in calls of this many
 
 
 def available() -> bool:
@@ -131,13 +135,19 @@ class OrtTarget:
                 raise DFlashError("incompatible_drafter", f"the drafter reads target layer {i}; the target has "
                                                           f"{self.num_layers}")
         logits, feats = [], []
-        for row in rows:  # one call per sequence (module doc)
-            lg, ft = self._call(row, layer_ids) if row.ids else (torch.empty(0, self.vocab_size), None)
-            if ft is None and layer_ids:
-                ft = torch.empty(0, len(layer_ids) * self.hidden_size)
-            logits.append(lg)
-            feats.append(ft)
-            row.seq.length += len(row.ids)
+        for row in rows:  # one call per sequence, of at most MAX_ROWS rows (module doc)
+            lgs, fts = [], []
+            for k in range(0, len(row.ids), MAX_ROWS):
+                part = row.ids[k:k + MAX_ROWS]
+                asked = max(0, row.logits - (len(row.ids) - k - len(part)))  # asked rows are the last ones
+                lg, ft = self._call(TargetRow(row.seq, part, min(asked, len(part))), layer_ids)
+                row.seq.length += len(part)
+                lgs.append(lg)
+                if ft is not None:
+                    fts.append(ft)
+            logits.append(torch.cat(lgs) if len(lgs) > 1 else lgs[0] if lgs else torch.empty(0, self.vocab_size))
+            feats.append(torch.cat(fts) if fts else (torch.empty(0, len(layer_ids) * self.hidden_size)
+                                                      if layer_ids else None))
         return TargetOutput(logits, feats)
 
     # --- inside ------------------------------------------------------------------------------
