@@ -65,6 +65,7 @@ class OrtSequence:
     length: int = 0
     binding: object | None = None
     buffers: list = field(default_factory=list)  # (past name, present name, OrtValue) per K/V buffer
+    bound_layers: tuple | None = None  # the feature outputs the binding's last call wanted
 
 
 class OrtTarget:
@@ -183,24 +184,28 @@ class OrtTarget:
         ids = np.zeros((1, S), dtype=np.int64)
         ids[0, :n] = row.ids
         want = np.arange(n - row.logits, n, dtype=np.int64) if row.logits else np.zeros(1, dtype=np.int64)
+        # Outputs land in arrays of ours (no copy, no wrapper per K/V buffer): logits of the
+        # asked rows, each asked layer's residual stream of the call's rows.
+        logits = np.empty((len(want), self.vocab_size), dtype=np.float32)
+        feats = [np.empty((1, S, self.hidden_size), dtype=np.float32) for _ in layer_ids]
         b = self._binding(seq, layer_ids)
         b.bind_cpu_input("input_ids", ids)
         b.bind_cpu_input("seqlens_k", np.array([total - 1], dtype=np.int32))
         b.bind_cpu_input("total_sequence_length", np.array(total, dtype=np.int32))
         b.bind_cpu_input("logit_rows", want)
+        for name, arr in zip(("logits", *(f"features.{i}" for i in layer_ids)), (logits, *feats)):
+            b.bind_output(name, "cpu", 0, np.float32, list(arr.shape), arr.ctypes.data)
         self.session.run_with_iobinding(b)
-        out = b.get_outputs()  # in the order bound
-        logits = torch.from_numpy(out[0].numpy()) if row.logits else torch.empty(0, self.vocab_size)
-        feats = None
-        if layer_ids:
-            feats = torch.from_numpy(np.concatenate([o.numpy()[0, :n] for o in out[1 : 1 + len(layer_ids)]], axis=-1))
-        return logits, feats
+        out_logits = torch.from_numpy(logits) if row.logits else torch.empty(0, self.vocab_size)
+        out_feats = torch.from_numpy(np.concatenate([f[0, :n] for f in feats], axis=-1)) if layer_ids else None
+        return out_logits, out_feats
 
     def _binding(self, seq: OrtSequence, layer_ids: tuple[int, ...]):
-        """The sequence's binding: its K/V buffers as past (in, bound while they last) and
-        present (out, the same memory), then the outputs wanted: logits first, the features
-        of `layer_ids`. Outputs are bound afresh each call (ONNX Runtime would take the
-        last call's as pre-allocated, of the last call's shapes)."""
+        """The sequence's binding: its K/V buffers as past (in) and present (out, the same
+        memory), bound while the buffers last; the caller binds the wanted outputs (logits,
+        the features of `layer_ids`) to its own arrays each call. A call that wants other
+        layers than the last one starts the outputs afresh (an output left bound would be
+        written into the last call's array)."""
         b = seq.binding
         if b is None:
             b = seq.binding = self.session.io_binding()
@@ -209,12 +214,12 @@ class OrtTarget:
                            for kind, store in (("key", seq.keys), ("value", seq.values))]
             for past, _, value in seq.buffers:
                 b.bind_ortvalue_input(past, value)
-        b.clear_binding_outputs()
-        b.bind_output("logits")
-        for i in layer_ids:
-            b.bind_output(f"features.{i}")
-        for _, present, value in seq.buffers:
-            b.bind_ortvalue_output(present, value)
+            seq.bound_layers = None
+        if seq.bound_layers != layer_ids:
+            b.clear_binding_outputs()
+            for _, present, value in seq.buffers:
+                b.bind_ortvalue_output(present, value)
+            seq.bound_layers = layer_ids
         return b
 
     def close(self) -> None:
