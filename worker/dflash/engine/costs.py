@@ -424,9 +424,23 @@ def _interpolate(points: dict[int, float], B: int) -> list[float]:
     return out
 
 
-def cache_path(key: dict, directory: Path) -> Path:
+def keyed_file(directory: Path, kind: str, key: dict) -> Path:
+    """Where a measurement of `kind` for `key` is kept in the cost directory (the key's digest
+    names it; the file holds the key too, to be checked on reading)."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(directory) / f"cost-curve-{digest}.json"
+    return Path(directory) / f"{kind}-{digest}.json"
+
+
+def write_keyed(path: Path, record: dict) -> None:
+    """Write a measurement whole or not at all (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def cache_path(key: dict, directory: Path) -> Path:
+    return keyed_file(directory, "cost-curve", key)
 
 
 def load_or_measure(engine, directory: Path | None, max_batch: int = 1) -> CostCurve:
@@ -443,8 +457,5 @@ def load_or_measure(engine, directory: Path | None, max_batch: int = 1) -> CostC
             pass  # unreadable: measure again
     curve = measure(engine, max_batch)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(curve.to_dict(), indent=1))
-        tmp.replace(path)
+        write_keyed(path, curve.to_dict())
     return curve

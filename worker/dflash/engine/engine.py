@@ -512,10 +512,9 @@ def cached_draft_choice(directory: Path | None, target: Target, drafter, vocab, 
     """fastest_draft's answer, measured once per machine, threads, drafter and runtimes and
     kept beside the cost curves (a wrong choice costs speed, never output, so it is not
     spot-checked; a new drafter, vocabulary or runtime version measures again)."""
-    import hashlib
     import json
 
-    from dflash.engine.costs import cpu_name
+    from dflash.engine.costs import cpu_name, keyed_file, write_keyed
     from dflash.engine.target.fastest import runtime_versions
 
     names = {dtype_name(d): d for d, _ in draft_candidates(target)}
@@ -524,8 +523,7 @@ def cached_draft_choice(directory: Path | None, target: Target, drafter, vocab, 
            "only": None if only is None else dtype_name(only), "versions": runtime_versions()}
     path = None
     if directory is not None and sha256 is not None:
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        path = Path(directory) / f"draft-choice-{digest}.json"
+        path = keyed_file(directory, "draft-choice", key)
         try:
             got = json.loads(path.read_text())
             if got.get("key") == key and got.get("dtype") in names:
@@ -534,10 +532,7 @@ def cached_draft_choice(directory: Path | None, target: Target, drafter, vocab, 
             pass
     dtype, runtime = fastest_draft(target, drafter, vocab, only, sha256=sha256)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "dtype": dtype_name(dtype), "runtime": runtime}, indent=1) + "\n")
-        tmp.replace(path)
+        write_keyed(path, {"key": key, "dtype": dtype_name(dtype), "runtime": runtime})
     return dtype, runtime
 
 

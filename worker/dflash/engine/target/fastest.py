@@ -15,12 +15,12 @@ times slower is measured afresh.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
 import time
 from pathlib import Path
 
+from dflash.engine.costs import keyed_file, write_keyed
 from dflash.engine.knobs import PolicyConfig
 from dflash.engine.policy import Prior, expected_tokens
 from dflash.engine.target.protocol import TargetRow
@@ -86,8 +86,7 @@ def runtime_versions() -> dict:
 
 
 def cache_file(directory: Path, key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(directory) / f"target-backend-{digest}.json"
+    return keyed_file(directory, "target-backend", key)
 
 
 def cached_choice(directory: Path | None, key: dict) -> dict | None:
@@ -108,11 +107,7 @@ def remember(directory: Path | None, key: dict, measured: dict[str, dict]) -> di
     record = {"key": key, "measured": measured, "acceptance": acceptance, "expected_tokens_per_s": rates,
               "request_s": request, "choice": min(request, key=request.get)}
     if directory is not None:
-        path = cache_file(directory, key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-        tmp.replace(path)
+        write_keyed(cache_file(directory, key), record)
     return record
 
 

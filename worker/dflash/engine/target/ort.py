@@ -19,8 +19,8 @@ llama.cpp's Q4_1 kernels pay every row in full (2.35). Everything the loop needs
   call of more than 128 rows (another path again: a 129-token prompt prefilled in one call
   gave logits up to 1.0 away from the same prompt in two chunks, and a different greedy
   answer when it shared steps with other callers), so longer rows (prompts) run in calls of
-  at most 128; and several sequences in one call, which ONNX Runtime's attention allows only one row each
-  (through that same path), so each sequence runs in a call of its own.
+  at most 128; and several sequences in one call, which ONNX Runtime's attention allows
+  only one row each (through that same path), so each sequence runs in a call of its own.
 The drafter borrows the embedding and the LM head from the Hugging Face folder (fp32).
 
 A different numeric path from the fp32 reference: greedy output is this backend's greedy
