@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dflash.engine.sampling import SamplingParams
-from dflash.engine.sampling import sample, verify_greedy, verify_probabilistic, verify_strict, warp
+from dflash.engine.sampling import argmax_rows, sample, verify_greedy, verify_probabilistic, verify_strict, warp
 
 V, K, N = 4, 2, 12000
 
@@ -41,6 +41,23 @@ def test_greedy_rule():
     assert verify_greedy(torch.tensor([1, 0]), logits) == (1, 2)  # second rejected, target's 2
     assert verify_greedy(torch.tensor([0, 2]), logits) == (0, 1)  # a later match does not count
     assert verify_greedy(torch.empty(0, dtype=torch.long), logits[:1]) == (0, 1)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_is_torchs_argmax(dtype):
+    """The numpy fast path (fp32 on a CPU) and the fallback both give torch's answer: each
+    row's first maximum, ties and infinities included, for a row or a matrix."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 49152, generator=g).to(dtype)
+    logits[1, [7, 300, 9000]] = 50.0  # a three-way tie: the first one wins
+    logits[2, 11] = float("inf")
+    logits[3] = -float("inf")  # an all -inf row: index 0
+    for x in (logits, logits[0], logits[:1]):
+        got = argmax_rows(x)
+        assert got.dtype == torch.int64 and got.shape == x.shape[:-1]
+        assert torch.equal(got, x.argmax(-1))
+    assert argmax_rows(logits)[1] == 7
 
 
 # --- the simulated world ----------------------------------------------------------

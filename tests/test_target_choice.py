@@ -83,6 +83,23 @@ def test_the_choice_is_measured_cached_and_spot_checked(tmp_path, two_tiny_backe
     assert third.target.selection["how"] == "measured at start" and "slow_plain" in built
 
 
+def test_when_no_candidate_can_run_the_drafter_the_first_reason_is_the_error(tmp_path, two_tiny_backends):
+    """Under auto a candidate that fails to build is skipped; when all fail (a drafter that
+    fits no backend's target) the start fails with the first one's clean error."""
+    from dflash.errors import DFlashError
+    from dflash.loading import fastest_engine
+
+    builders, _, _ = two_tiny_backends
+
+    def refuse(target, draft_dtype=None):
+        raise DFlashError("incompatible_drafter", f"does not fit {target.backend}")
+
+    with pytest.raises(DFlashError) as err:
+        fastest_engine(builders, refuse, "tiny", tmp_path)
+    assert err.value.code == "incompatible_drafter" and err.value.message == "does not fit slow_plain"
+    assert not list(tmp_path.iterdir())  # nothing chosen, nothing cached
+
+
 def test_a_backend_asked_for_that_cannot_run_is_a_clean_error(smol_dir):
     from dflash.errors import DFlashError
     from dflash.loading import load_target, target_builders

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from dflash.engine.knobs import DRAFT_DTYPE_NAMES, DTYPE_NAMES
 from dflash.errors import DFlashError
 
 RANDOM_DRAFTER_WARNING = (
@@ -77,7 +78,8 @@ def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "floa
     import torch
 
     from dflash.engine import draft_vocab as vocab_file
-    from dflash.engine.engine import DTYPES, Engine
+    from dflash.engine.dtypes import DTYPES
+    from dflash.engine.engine import Engine
     from dflash.errors import DFlashError
 
     if dtype not in DTYPES:
@@ -131,7 +133,7 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     import torch
 
     from dflash.convert.onnx_target import builder_version, ensure_export, is_current
-    from dflash.engine.engine import DTYPES
+    from dflash.engine.dtypes import DTYPES
     from dflash.engine.target import llamacpp, ort
     from dflash.engine.target.hf import HFTarget
     from dflash.model_files import onnx_export_dir
@@ -197,11 +199,14 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
         try:
             engine = engine_over(build(), **same)
         except DFlashError as exc:  # a candidate that cannot load is not chosen (asked for, it is an error)
-            failed[name] = exc.message
+            failed[name] = exc
             continue
         same = {"draft_dtype": engine.draft_dtype}  # as the first backend measured it
         measured[name] = spot_prices(engine)
         del engine
+    if not measured:  # none can run it (a drafter that fits no backend's target): the first one's reason
+        raise next(iter(failed.values()))
+    failed = {name: exc.message for name, exc in failed.items()}
     record = fastest.remember(cost_dir, key, measured)
     record["failed"] = failed
     engine = engine_over(builders[record["choice"]](), **same)
@@ -214,7 +219,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", help="DFlash drafter: folder in the published layout, .gguf (llama.cpp's layout) or "
                    ".onnx (run by ONNX Runtime) (default: the project's drafter)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     p.add_argument("--threads", type=int, help="CPU threads (torch's and llama.cpp's; default: torch's choice)")
     p.add_argument("--target-backend", default="auto", choices=TARGET_BACKENDS,
                    help="what runs the target: hf (transformers, the reference), llamacpp (its GGUF in llama.cpp, "
@@ -222,7 +227,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "fastest here, measured once and cached)")
     p.add_argument("--target-gguf", help="the target as GGUF for --target-backend llamacpp (default: the embedded "
                    "target's shipped Q4_1 file, when --target is not given)")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", *DRAFT_DTYPE_NAMES],
                    help="precision the drafter computes in (drafts are proposals: output is unchanged); int8: int8 "
                         "weights (CPU); auto: the fastest here, measured at start")
     p.add_argument("--draft-vocab", default="auto", metavar="auto|full|FILE",

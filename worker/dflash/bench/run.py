@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.bench.ceiling import ceiling_table, suffix_ceiling
 from dflash.bench.llamacpp import is_peer_method, is_speculative_peer, peer_notes
 from dflash.engine.costs import cpu_name
 from dflash.engine.engine import Engine, GenerationRequest, dtype_name
@@ -92,6 +93,7 @@ class Sample:
     drafted: int = 0
     verify_lengths: list[int] = field(default_factory=list)  # per step, engine methods
     proposers: dict = field(default_factory=dict)  # engine methods: per proposer steps, drafted, accepted
+    prefill_s: float = 0.0  # engine methods: of wall_s, the prompt's forwards
 
 
 class VerifyLog:
@@ -176,7 +178,8 @@ class Runner:
                 workload=workload, proposers=("suffix",) if method == SUFFIX else None))
             steps = res.stats.steps
             return Sample(res.output_ids, time.perf_counter() - t, [s.accepted for s in steps], res.stats.drafted,
-                          [len(s.draft_ids) + 1 for s in steps], {k: dict(v) for k, v in res.stats.by_proposer.items()})
+                          [len(s.draft_ids) + 1 for s in steps], {k: dict(v) for k, v in res.stats.by_proposer.items()},
+                          res.stats.prefill_s)
         kwargs = {}
         if method == "prompt-lookup":
             kwargs["prompt_lookup_num_tokens"] = 10
@@ -345,6 +348,9 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
             )
             if r["method"] == "ar" and fp32 is not None and engine.target.backend != "hf":
                 r["fp32_agreement"] = sum(a == b for a, b in zip(outputs["ar"], fp32)) / len(fp32)
+            if r["method"] == "ar" and any(m in methods for m in (SUFFIX, "dflash-auto")):
+                r["suffix_ceiling"] = suffix_ceiling(prompts, outputs["ar"], engine.cost_curve.verify_s,
+                                                     [(s.wall_s, s.prefill_s) for s in samples["ar"]])
     log.close()
     if peer is not None:
         peer.close()
@@ -362,6 +368,9 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
         "max_new_tokens": max_new,
         "greedy_reference": "ar" if "ar" in methods else "ar-hf",
         "target_backend": engine.target.backend,
+        # The cost curve the policy (and the ceiling) priced steps by, where a method used one.
+        **({"verify_s": list(engine.cost_curve.verify_s)} if any(m == SUFFIX or m.startswith("dflash")
+                                                                 for m in methods) else {}),
         **({"peers": peers} if peers else {}),  # the runtime and weight format of each llama.cpp row
         "results": results,
     }
@@ -396,7 +405,7 @@ def markdown(report: dict) -> str:
     if agree:
         rows.append(f"\nPlain greedy output on this backend equal to the fp32 reference's, by prompt: {', '.join(agree)}.")
     return (head + "\n".join(rows) + "\n" + peer_notes(report.get("peers")) + position_table(report["results"])
-            + verify_length_table(report["results"]))
+            + verify_length_table(report["results"]) + ceiling_table(report["results"]))
 
 
 def position_table(results: list[dict], positions: int = 4) -> str:

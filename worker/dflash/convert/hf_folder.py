@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import save_file
 
 from dflash.engine.drafter_config import DrafterConfig
+from dflash.engine.dtypes import DTYPES
 from dflash.errors import DFlashError
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _as_stored(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from dflash.engine import step as step_mod
 from dflash.engine.drafter_config import DrafterConfig
+from dflash.engine.dtypes import DRAFT_DTYPES
 from dflash.engine.knobs import PolicyConfig
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.costs import CostCurve, Prices, load_or_measure
@@ -38,9 +39,6 @@ from dflash.engine.target.hf import HFTarget
 from dflash.engine.workloads import WorkloadMemory
 from dflash.errors import DFlashError
 from dflash.options import defaults
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 _D = defaults()
 
@@ -121,9 +119,6 @@ def check_compatible(target: Target, cfg: DrafterConfig) -> None:
         raise DFlashError(
             "incompatible_drafter", f"target_layer_ids {bad} are outside the target's {target.num_layers} layers"
         )
-
-
-DRAFT_DTYPES = {**DTYPES, "int8": torch.qint8}  # int8: int8 weights, fp32 activations (CPU)
 
 
 def resolve_draft_dtype(choice, target: Target) -> torch.dtype | None:

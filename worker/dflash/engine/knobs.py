@@ -11,6 +11,12 @@ DEFAULT_MAX_BATCH = 16
 DEFAULT_STEP_TOKENS = 128
 
 
+# Precisions by name (dflash.engine.dtypes maps them to torch's): the target's and the
+# drafter's, which may also be int8 (int8 weights, fp32 activations; CPU).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DRAFT_DTYPE_NAMES = (*DTYPE_NAMES, "int8")
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """Knobs of block length `auto` (see policy.py); one place for their defaults."""

@@ -25,14 +25,14 @@ import torch
 
 from dflash.engine.proposers.dflash import NAME as DFLASH
 from dflash.engine.proposers.suffix import NAME as SUFFIX
-from dflash.engine.sampling import sample, verify_greedy, verify_probabilistic, verify_strict, warp
+from dflash.engine.sampling import argmax_rows, sample, verify_greedy, verify_probabilistic, verify_strict, warp
 from dflash.engine.state import DecodeState, StepResult
 from dflash.engine.target import TargetRow
 
 
 def first_token(logits: torch.Tensor, state: DecodeState) -> int:
     if state.params.greedy:
-        return int(logits.argmax())
+        return int(argmax_rows(logits))
     return int(sample(warp(logits, state.params), state.generator))
 
 

@@ -16,7 +16,7 @@ import torch
 
 from dflash.engine.drafter import DraftCache, DraftPart
 from dflash.engine.proposers.protocol import Draft
-from dflash.engine.sampling import sample, warp
+from dflash.engine.sampling import argmax_rows, sample, warp
 from dflash.engine.versions import label as version_label
 from dflash.engine.versions import model_digest
 
@@ -207,4 +207,4 @@ def _draft(logits: torch.Tensor, state, head: DraftHead, vocab_size: int) -> Dra
         confidence = probs.max(-1).values.tolist() if want_confidence else None
         return Draft(head.token_ids(rows), head.full(probs, vocab_size), confidence)
     confidence = logits.softmax(-1).max(-1).values.tolist() if want_confidence else None
-    return Draft(head.token_ids(logits.argmax(-1)), None, confidence)
+    return Draft(head.token_ids(argmax_rows(logits)), None, confidence)

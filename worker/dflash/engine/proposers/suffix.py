@@ -27,6 +27,19 @@ SPEC_FACTOR = 2  # a chain is at most this many times as long as the match it co
 MAX_POOLS = 256  # workloads whose pooled calibration is kept (least recently used dropped)
 
 
+def chain(indexes: list[SuffixIndex], prompt_ids: list[int], output_ids: list[int],
+          max_tokens: int) -> tuple[list[int], list[float]]:
+    """The proposal after prompt + output so far: the continuation of the longest earlier
+    match of its last MAX_CONTEXT tokens (at least MIN_MATCH), at most SPEC_FACTOR times
+    as long as the match, and each position's confidence. (The bench's ceiling replays it.)"""
+    out_n = len(output_ids)
+    context = output_ids[-MAX_CONTEXT:] if out_n >= MAX_CONTEXT else (
+        prompt_ids[-(MAX_CONTEXT - out_n):] + output_ids)
+    tokens, confidence, match = propose_from(indexes, context, max_tokens, min_match=MIN_MATCH,
+                                             max_context=MAX_CONTEXT)
+    return tokens[: SPEC_FACTOR * match], confidence[: SPEC_FACTOR * match]
+
+
 @dataclass
 class SuffixState:
     own: SuffixIndex  # the request's prompt and output so far
@@ -77,13 +90,8 @@ class SuffixProposer:
             t = time.perf_counter()
             ps = state.proposals[NAME]
             self.observe(state)
-            out_n = len(state.output_ids)
-            context = state.output_ids[-MAX_CONTEXT:] if out_n >= MAX_CONTEXT else (
-                state.prompt_ids[-(MAX_CONTEXT - out_n):] + state.output_ids)
             indexes = [ps.own] if ps.workload is None else [ps.own, ps.workload.index]
-            tokens, confidence, match = propose_from(indexes, context, D - 1, min_match=MIN_MATCH,
-                                                     max_context=MAX_CONTEXT)
-            tokens, confidence = tokens[: SPEC_FACTOR * match], confidence[: SPEC_FACTOR * match]
+            tokens, confidence = chain(indexes, state.prompt_ids, state.output_ids, D - 1)
             self._price(time.perf_counter() - t)
             out.append(Draft(torch.tensor(tokens, dtype=torch.long), None, list(confidence)))
         return out

@@ -22,6 +22,20 @@ class HFSide:
     head: torch.Tensor  # [V, H] (the embedding when tied)
 
 
+class BorrowedHead:
+    """What a quantized backend lends the drafter from its HFSide: embedding and LM head
+    (set `_embed` and `_head` from it)."""
+
+    _embed: torch.Tensor
+    _head: torch.Tensor
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self._embed)
+
+    def head_weight(self) -> torch.Tensor:
+        return self._head
+
+
 def read_tensors(folder: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 

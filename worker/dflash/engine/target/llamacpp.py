@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash.engine.target.hf_files import read_hf_side
+from dflash.engine.target.hf_files import BorrowedHead, read_hf_side
 from dflash.engine.target.protocol import TargetOutput, TargetRow
 from dflash.errors import DFlashError
 
@@ -98,7 +98,7 @@ class LlamaCppSequence:
     length: int = 0
 
 
-class LlamaCppTarget:
+class LlamaCppTarget(BorrowedHead):
     backend = NAME
 
     def __init__(self, gguf: str | Path, hf_dir: str | Path, threads: int | None = None,
@@ -190,12 +190,6 @@ class LlamaCppTarget:
         out_logits = [torch.from_numpy(np.concatenate(ls)) if ls else torch.empty(0, self.vocab_size) for ls in logits]
         out_feats = [torch.from_numpy(np.concatenate(fs)) if layer_ids else None for fs in feats]
         return TargetOutput(out_logits, out_feats)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.embedding(ids, self._embed)
-
-    def head_weight(self) -> torch.Tensor:
-        return self._head
 
     # --- inside ------------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash.engine.target.hf_files import read_hf_side
+from dflash.engine.target.hf_files import BorrowedHead, read_hf_side
 from dflash.engine.target.protocol import TargetOutput, TargetRow
 from dflash.errors import DFlashError
 
@@ -68,7 +68,7 @@ class OrtSequence:
     bound_layers: tuple | None = None  # the feature outputs the binding's last call wanted
 
 
-class OrtTarget:
+class OrtTarget(BorrowedHead):
     backend = NAME
 
     def __init__(self, model_file: str | Path, hf_dir: str | Path, threads: int | None = None,
@@ -123,12 +123,6 @@ class OrtTarget:
     @staticmethod
     def rollback(seq: OrtSequence, length: int) -> None:
         seq.length = min(seq.length, length)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.embedding(ids, self._embed)
-
-    def head_weight(self) -> torch.Tensor:
-        return self._head
 
     def forward_batch(self, rows: list[TargetRow], layer_ids: tuple[int, ...] = ()) -> TargetOutput:
         for i in layer_ids:
