@@ -60,6 +60,22 @@ def test_argmax_rows_is_torchs_argmax(dtype):
     assert argmax_rows(logits)[1] == 7
 
 
+def test_sample_never_draws_a_token_without_mass(monkeypatch):
+    """Inverse-CDF sampling: zero-probability tokens are never drawn, whatever the uniform,
+    including one that rounds up to the row's total (then the last token with mass)."""
+    import dflash.engine.sampling as sampling
+
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0], [0.5, 0.0, 0.5, 0.0, 0.0]])
+    for u in (0.0, 0.25, 0.9999, 1.0):
+        monkeypatch.setattr(sampling.torch, "rand", lambda *a, u=u, **k: torch.full(a[:2], u, dtype=torch.float64))
+        got = sample(probs, None).tolist()
+        assert got == {0.0: [1, 0], 0.25: [3, 0], 0.9999: [3, 2], 1.0: [3, 2]}[u], (u, got)
+    monkeypatch.undo()
+    g = torch.Generator().manual_seed(1)
+    drawn = sample(probs[0].expand(20000, 5), g)
+    assert set(drawn.tolist()) == {1, 3} and abs((drawn == 3).double().mean().item() - 0.75) < 0.02
+
+
 # --- the simulated world ----------------------------------------------------------
 
 
