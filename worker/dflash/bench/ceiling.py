@@ -34,11 +34,12 @@ def suffix_ceiling(prompts: list[list[int]], outputs: list[list[int]], verify_s:
     whole = [0.0, 0.0]  # plain decoding's wall, and the oracle's
     kept: list[int] = [0] * max_block
     for n, (prompt, output) in enumerate(zip(prompts, outputs)):
+        prompt = list(prompt)
         own = SuffixIndex()
-        own.add(0, list(prompt))
+        own.add(0, prompt)
         i, cost = 0, 0.0
         while i < len(output):
-            drafts, _ = chain([own, memory], list(prompt), output[:i], max_block - 1)
+            drafts, _ = chain([own, memory], prompt, output[:i], max_block - 1)
             k = 0
             # Kept drafts and the target's own token must fit in the output.
             while k < len(drafts) and i + k + 1 < len(output) and drafts[k] == output[i + k]:
