@@ -49,6 +49,7 @@ def test_drafting_with_the_graph_keeps_the_output(tiny_engine):
     engine = Engine(tiny_engine.target, tiny_engine.drafter, "tiny-graph", draft_dtype="int8", draft_runtime="onnx",
                     cost_curve=tiny_engine.cost_curve)
     assert engine.draft_runtime == "onnx" and type(engine.dflash.current.model).__name__ == "OnnxDrafter"
+    assert type(engine.dflash.current.head._linear).__name__ == "OnnxHead"  # the head in the same runtime
     for prompt in ([5, 6, 7], [9, 3, 4, 11]):
         plain = tiny_engine.generate(GenerationRequest(input_ids=prompt, max_new_tokens=16, block_size=1))
         for block in (4, None):
@@ -63,3 +64,20 @@ def test_auto_measures_every_drafter_runtime(tiny_engine):
                     cost_curve=tiny_engine.cost_curve)
     assert (engine.draft_dtype, engine.draft_runtime) in draft_candidates(tiny_engine.target)
     assert (torch.qint8, "onnx") in draft_candidates(tiny_engine.target)
+
+
+def test_the_onnx_head_computes_the_draft_heads_logits():
+    """The head of the ONNX Runtime drafter (8-bit weights, int8 activations) stays close to
+    the fp32 head over a draft vocabulary, and picks the same token where one clearly leads."""
+    from dflash.engine.proposers.dflash import DraftHead
+
+    torch.manual_seed(0)
+    weight, vocab = torch.randn(300, 64), torch.tensor([3, 7, 11, 250, 299, 0])
+    fp32 = DraftHead(weight, vocab, torch.float32, int8=False)
+    onnx = DraftHead(weight, vocab, torch.float32, int8=True, runtime="onnx")
+    hidden = torch.randn(5, 64)
+    hidden[0] = weight[250] * 3  # token 250 (draft row 3) clearly leads
+    got, want = onnx(hidden), fp32(hidden)
+    assert got.shape == want.shape == (5, 6) and got.dtype == torch.float32
+    assert (got - want).norm() / want.norm() < 0.03
+    assert int(got[0].argmax()) == int(want[0].argmax()) == 3 and onnx.token_ids(got[0].argmax()) == 250

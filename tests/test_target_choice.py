@@ -127,3 +127,46 @@ def test_auto_on_this_machine_takes_a_measured_backend(tmp_path):
     assert sel["how"] == "measured at start" and engine.target.backend == min(times, key=times.get)
     assert {"hf", "llamacpp", "ort"} >= set(times) and "hf" in times
     assert set(sel["expected_tokens_per_s"]) == set(times)
+
+
+def test_backends_are_priced_at_a_typical_requests_context(monkeypatch):
+    """A step's price grows with the cached tokens at a rate that differs by backend, so the
+    choice times its steps at the context a typical request's steps meet on average, and the
+    spot check of a cached choice at the same one; a target with less room, at what fits."""
+    from dflash.engine import costs
+    from tests.conftest import make_tiny_target
+
+    engine = _engine_over(make_tiny_target(context=512))
+    calls = []
+    forward = engine.target.forward_batch
+
+    def spy(rows, layers=()):
+        calls.append([len(r.ids) for r in rows])
+        return forward(rows, layers)
+
+    monkeypatch.setattr(engine.target, "forward_batch", spy)
+    costs.spot_prices(engine, repeats=2)
+    assert costs.TYPICAL_CONTEXT > costs.PREFILL_TOKENS and calls[0] == [costs.TYPICAL_CONTEXT]
+    calls.clear()
+    fastest.step_seconds(engine.target, repeats=2)
+    assert calls[0] == [costs.TYPICAL_CONTEXT] and all(c == [1] for c in calls[1:])
+    small = make_tiny_target(context=96)
+    assert costs.bench_context(small, costs.TYPICAL_CONTEXT, 8) == 96 - 8 - 1
+
+
+def test_the_cpu_is_named_with_its_family_and_instruction_sets():
+    """Cached prices and benchmark records name the CPU by more than its model name: VMs here
+    call a Zen 3 (AVX2 only) and a Zen 5 (AVX-512) both "AMD EPYC"."""
+    from pathlib import Path
+
+    from dflash.engine.costs import ISA_FLAGS, cpu_name
+
+    info = Path("/proc/cpuinfo")
+    text = info.read_text() if info.is_file() else ""
+    if "cpu family" not in text:
+        pytest.skip("no /proc/cpuinfo with a cpu family here")
+    flags = set(next(line for line in text.splitlines() if line.startswith("flags")).split(":", 1)[1].split())
+    name = cpu_name()
+    assert "family" in name
+    for flag in ISA_FLAGS:
+        assert (f" {flag}" in name) == (flag in flags), (flag, name)

@@ -181,10 +181,11 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
     import torch
 
     from dflash import __version__
-    from dflash.engine.costs import cpu_name, spot_prices
+    from dflash.engine.costs import TYPICAL_CONTEXT, cpu_name, spot_prices
     from dflash.engine.target import fastest
 
     key = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "target": Path(target_dir).name,
+           "context": TYPICAL_CONTEXT,
            "candidates": sorted(builders), "versions": fastest.runtime_versions(), "dflash": __version__}
     record = fastest.cached_choice(cost_dir, key)
     if record is not None:

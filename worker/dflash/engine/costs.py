@@ -31,6 +31,12 @@ from dflash.engine.sampling import verify_greedy
 
 CONTEXT_TOKENS = 64  # a short prompt: the price of a step at small context
 PREFILL_TOKENS = 128  # the prompt whose prefill spot_prices times (a typical request's)
+TYPICAL_NEW_TOKENS = 128  # and the tokens a typical request decodes after it
+# Where a typical request's decoding steps run on average: the context at which backends'
+# prices are compared (dflash.engine.target.fastest). A step's price grows with the cached
+# tokens at a rate that differs by backend: on a Zen 5 EPYC (2 threads) ONNX Runtime's int8
+# graph took 7.0 ms at 64 cached tokens, 8.3 at 256 and 10.3 at 511, llama.cpp 7.2-7.8 at all.
+TYPICAL_CONTEXT = PREFILL_TOKENS + TYPICAL_NEW_TOKENS // 2
 CONTEXT_ROWS = 16  # pending context rows timed for the drafter's price per row
 CURVE_FORMAT = 2  # what a curve holds (2: the drafter's price per pending context row); older ones are measured again
 REPEATS = 5
@@ -224,14 +230,32 @@ def curve_key(engine, max_batch: int = 1) -> dict:
     }
 
 
+# The instruction sets that decide which kernels a runtime takes (and so every price here).
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile")
+
+
 def cpu_name() -> str:
+    """The CPU's model name, family/model and the ISA_FLAGS it has, e.g. "AMD EPYC (family 26
+    model 2: avx2 avx512f avx512_vnni avx_vnni avx512_bf16)". Part of every cached
+    measurement's key and of every benchmark's record: VMs here report the same model name
+    ("AMD EPYC") for a Zen 3 with AVX2 only and a Zen 5 with AVX-512, whose prices differ."""
+    fields = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model", "flags") and key not in fields:
+                fields[key] = value.strip()
+            if len(fields) == 4:
+                break
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    name = fields.get("model name") or platform.processor() or "unknown"
+    if "cpu family" not in fields:
+        return name
+    have = set(fields.get("flags", "").split())
+    isa = " ".join(f for f in ISA_FLAGS if f in have) or "no AVX2"
+    return f"{name} (family {fields['cpu family']} model {fields.get('model', '?')}: {isa})"
 
 
 def _sync(device: torch.device) -> None:
@@ -260,24 +284,31 @@ def _non_decreasing(xs: list[float]) -> list[float]:
     return out
 
 
+def bench_context(target, wanted: int, rows: int) -> int:
+    """`wanted` cached tokens, or fewer where the target's context would not leave room for
+    `rows` more (a small test model)."""
+    return max(rows + 1, min(wanted, target.context_length - rows - 1))
+
+
 class _StepBench:
     """`seqs` requests whose target and drafter caches hold a short prompt, and the two timed
     parts of a step for all of them at once."""
 
-    def __init__(self, engine, seqs: int = 1):
+    def __init__(self, engine, seqs: int = 1, context: int = CONTEXT_TOKENS):
         from dflash.engine.target import TargetRow
 
         target = engine.target
         self.device, self.block_size = target.device, engine.block_size
         self.target, self.layer_ids = target, engine.layer_ids
-        self.prompt = (torch.arange(100, 100 + CONTEXT_TOKENS) % target.vocab_size).tolist()
+        self.context = context = bench_context(target, context, self.block_size)
+        self.prompt = (torch.arange(100, 100 + context) % target.vocab_size).tolist()
         self.seqs = [target.new_sequence() for _ in range(seqs)]
         out = target.forward_batch([TargetRow(q, self.prompt, 1) for q in self.seqs], self.layer_ids)
         self.feats = out.features[0]
         self.proposer = engine.dflash
         self.states = [self.proposer.start(None) for _ in range(seqs)]
         # The drafter's cache holds the context (all rows but the anchor's).
-        self.proposer.draft_logits([(ps, self.feats[:-2], self.prompt[-2], CONTEXT_TOKENS - 2, 1)
+        self.proposer.draft_logits([(ps, self.feats[:-2], self.prompt[-2], context - 2, 1)
                                     for ps in self.states])
         self.row = TargetRow
 
@@ -286,15 +317,15 @@ class _StepBench:
         out = self.target.forward_batch([self.row(q, ids, L) for q in self.seqs], self.layer_ids)
         for q, logits in zip(self.seqs, out.logits):
             verify_greedy(torch.tensor(ids[1:], device=self.device), logits)
-            self.target.rollback(q, CONTEXT_TOKENS)
+            self.target.rollback(q, self.context)
 
     def draft(self, D: int, context_rows: int = 1) -> None:
         """A draft of D after `context_rows` rows of new context features (the drafter's cache
         holds the rest of the prompt; the rows are written again each time)."""
         committed = [ps.cache.length for ps in self.states]
         for ps in self.states:
-            ps.cache.length = CONTEXT_TOKENS - 1 - context_rows
-        jobs = [(ps, self.feats[-1 - context_rows : -1], self.prompt[-1], CONTEXT_TOKENS - 1, D) for ps in self.states]
+            ps.cache.length = self.context - 1 - context_rows
+        jobs = [(ps, self.feats[-1 - context_rows : -1], self.prompt[-1], self.context - 1, D) for ps in self.states]
         for logits in self.proposer.draft_logits(jobs):
             logits.softmax(-1).max(-1)
         for ps, n in zip(self.states, committed):
@@ -389,11 +420,12 @@ def spot_check(engine, curve: CostCurve) -> dict:
 @torch.inference_mode()
 def spot_prices(engine, lengths=(1, 2, 4), repeats: int = REPEATS) -> dict:
     """A few prices of a lone request (seconds by length, keys as strings): verifying L
-    tokens with the drafter's features, and the drafter's pass over a block of L. What the
-    choice of a target backend weighs (dflash.engine.target.fastest)."""
+    tokens with the drafter's features, and the drafter's pass over a block of L, both at a
+    typical request's context (TYPICAL_CONTEXT). What the choice of a target backend weighs
+    (dflash.engine.target.fastest)."""
     from dflash.engine.target import TargetRow
 
-    bench = _StepBench(engine)
+    bench = _StepBench(engine, context=TYPICAL_CONTEXT)
     bench.verify(max(lengths)), bench.draft(max(lengths))  # warm up the largest shapes
     verify = {str(L): bench.verify_s(L, repeats) for L in lengths}
     draft = {str(L): bench.draft_s(L, repeats) for L in lengths if 1 < L <= engine.block_size}

@@ -161,6 +161,16 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def peak_probs(logits: torch.Tensor) -> list[float]:
+    """Each row's largest softmax probability (a draft's confidence), through numpy on a CPU
+    for the reason argmax_rows gives: torch's softmax over a block of drafted rows opens an
+    OpenMP region whose threads spin into the target's next forward."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        x = logits.numpy()
+        return (1.0 / np.exp(x - x.max(-1, keepdims=True)).sum(-1)).tolist()
+    return logits.softmax(-1).max(-1).values.tolist()
+
+
 def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Keep drafts while they equal the target's argmax; then the target's own argmax."""
     pred = argmax_rows(target_logits)

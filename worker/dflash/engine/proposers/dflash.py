@@ -16,7 +16,7 @@ import torch
 
 from dflash.engine.drafter import DraftCache, DraftPart
 from dflash.engine.proposers.protocol import Draft
-from dflash.engine.sampling import argmax_rows, sample, warp
+from dflash.engine.sampling import argmax_rows, peak_probs, sample, warp
 from dflash.engine.versions import label as version_label
 from dflash.engine.versions import model_digest
 
@@ -32,12 +32,18 @@ class DraftHead:
     proposals the target verifies, so a token outside the draft vocabulary is merely never
     proposed: output is unchanged."""
 
-    def __init__(self, weight: torch.Tensor, vocab: torch.Tensor | None, dtype: torch.dtype, int8: bool):
+    def __init__(self, weight: torch.Tensor, vocab: torch.Tensor | None, dtype: torch.dtype, int8: bool,
+                 runtime: str = "torch"):
         w = weight if vocab is None else weight[vocab.to(weight.device)]
         self.vocab = None if vocab is None else vocab.to(weight.device)
         self.size = w.shape[0]
         self._linear = None
-        if int8:
+        if int8 and runtime == "onnx":  # in the drafter's runtime (drafter_graph.OnnxHead says why)
+            from dflash.engine.drafter_graph import OnnxHead
+
+            self._linear = OnnxHead(w)
+            self.weight = None
+        elif int8:
             layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
             layer.weight.data = w.float().contiguous()
             self._linear = quantize_int8(torch.nn.Sequential(layer))
@@ -133,7 +139,7 @@ class DFlashProposer:
         cfg = drafter.config
         # The mask rows of every block are the same: embed them once.
         mask = target.embed(torch.full((cfg.block_size,), cfg.mask_token_id, device=target.device)).to(self.dtype)
-        head = DraftHead(target.head_weight(), vocab, self.dtype, self.int8)
+        head = DraftHead(target.head_weight(), vocab, self.dtype, self.int8, self.runtime)
         self.current = DrafterInUse(model, mask, name, version_label(self.sha256), head, tuple(cfg.target_layer_ids),
                                     drafter)
 
@@ -206,5 +212,5 @@ def _draft(logits: torch.Tensor, state, head: DraftHead, vocab_size: int) -> Dra
         rows = sample(probs, state.generator)
         confidence = probs.max(-1).values.tolist() if want_confidence else None
         return Draft(head.token_ids(rows), head.full(probs, vocab_size), confidence)
-    confidence = logits.softmax(-1).max(-1).values.tolist() if want_confidence else None
+    confidence = peak_probs(logits) if want_confidence else None
     return Draft(head.token_ids(argmax_rows(logits)), None, confidence)

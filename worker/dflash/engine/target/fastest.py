@@ -7,7 +7,9 @@ rows for about 1.35 plain steps, and prefills a prompt 1.7x as fast. Which one i
 depends on all three, so the choice weighs them as a typical request would meet them: the
 prefill of a 128-token prompt, then 128 new tokens at the expected rate of block length auto
 (per backend the best of drafting 0, 1 or 3 tokens per step, at the policy's default
-acceptance prior and the drafter's measured price); the shortest time wins. The result is
+acceptance prior and the drafter's measured price, each step priced at the context it meets
+on average, 192 tokens: ONNX Runtime's attention costs more per cached token than
+llama.cpp's); the shortest time wins. The result is
 cached per machine, thread count and runtime versions like the cost curve; on a later start
 the chosen backend's plain step is timed again and a choice whose step got more than STALE
 times slower is measured afresh.
@@ -20,35 +22,36 @@ import statistics
 import time
 from pathlib import Path
 
-from dflash.engine.costs import keyed_file, write_keyed
+from dflash.engine.costs import TYPICAL_CONTEXT, TYPICAL_NEW_TOKENS, bench_context, keyed_file, write_keyed
 from dflash.engine.knobs import PolicyConfig
 from dflash.engine.policy import Prior, expected_tokens
 from dflash.engine.target.protocol import TargetRow
 
-PROMPT_TOKENS = 64
 REPEATS = 9
 STALE = 1.5
 LENGTHS = (1, 2, 4)  # verify lengths timed; the drafter's price is timed at the same block lengths
 
 
 def step_seconds(target, layer_ids: tuple[int, ...] = (), repeats: int = REPEATS) -> float:
-    """The median time of one plain decoding step (one row, one token) on `target`."""
+    """The median time of one plain decoding step (one row, one token) on `target`, at the
+    context the choice was priced at (costs.TYPICAL_CONTEXT)."""
+    context = bench_context(target, TYPICAL_CONTEXT, 1)
     seq = target.new_sequence()
     try:
-        prompt = [(100 + i) % target.vocab_size for i in range(PROMPT_TOKENS)]
+        prompt = [(100 + i) % target.vocab_size for i in range(context)]
         target.forward_batch([TargetRow(seq, prompt, 1)], layer_ids)
         times = []
         for i in range(repeats + 1):
             t = time.perf_counter()
-            target.forward_batch([TargetRow(seq, [200 + i], 1)], layer_ids)
+            target.forward_batch([TargetRow(seq, [(200 + i) % target.vocab_size], 1)], layer_ids)
             times.append(time.perf_counter() - t)
-            target.rollback(seq, PROMPT_TOKENS)
+            target.rollback(seq, context)
         return statistics.median(times[1:])  # the first is a warm-up
     finally:
         target.free(seq)
 
 
-NEW_TOKENS = 128  # a typical request: prefill_tokens of prompt (costs.PREFILL_TOKENS), this many new
+NEW_TOKENS = TYPICAL_NEW_TOKENS  # a typical request: costs.PREFILL_TOKENS of prompt, this many new
 
 
 def request_seconds(prices: dict, acceptance: list[float]) -> float:
