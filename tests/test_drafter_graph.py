@@ -81,3 +81,22 @@ def test_the_onnx_head_computes_the_draft_heads_logits():
     assert got.shape == want.shape == (5, 6) and got.dtype == torch.float32
     assert (got - want).norm() / want.norm() < 0.03
     assert int(got[0].argmax()) == int(want[0].argmax()) == 3 and onnx.token_ids(got[0].argmax()) == 250
+
+
+def test_the_drafter_runtime_is_timed_with_the_verify_that_follows(tiny_engine, monkeypatch):
+    """A runtime whose threads spin on after a draft slows the target's next forward, which the
+    draft's own time does not show: each timed draft is followed by a verify of its block."""
+    from dflash.engine.engine import draft_candidates, fastest_draft
+
+    target = tiny_engine.target
+    calls = []
+    forward = target.forward_batch
+
+    def spy(rows, layers=()):
+        calls.append(sum(len(r.ids) for r in rows))
+        return forward(rows, layers)
+
+    monkeypatch.setattr(target, "forward_batch", spy)
+    choice = fastest_draft(target, tiny_engine.drafter, None, repeats=3)
+    assert choice in draft_candidates(target)
+    assert calls.count(4) == 3 * len(draft_candidates(target))  # a verify of 4 after every timed draft
