@@ -30,7 +30,7 @@ import torch
 
 from dflash.engine.engine import Engine, GenerationRequest, dtype_name
 from dflash.engine.proposers.dflash import NAME as DFLASH
-from dflash.engine.sampling import verify_greedy
+from dflash.engine.sampling import argmax_rows, verify_greedy
 from dflash.engine.target import TargetRow
 
 LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -131,7 +131,7 @@ def profile(engine: Engine, lengths=LENGTHS, repeats: int = 15) -> dict:
 
                 def head():
                     nonlocal drafts
-                    drafts = drafting.head.token_ids(drafting.head(hidden[0, 1:]).argmax(-1))
+                    drafts = drafting.head.token_ids(argmax_rows(drafting.head(hidden[0, 1:])))
 
                 row["drafter_lm_head"].append(timed(head))
                 logits = forward(s, ids[:1] + drafts.tolist(), (), L).logits[0]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.engine.sampling import verify_greedy
+from dflash.engine.sampling import peak_probs, verify_greedy
 
 CONTEXT_TOKENS = 64  # a short prompt: the price of a step at small context
 PREFILL_TOKENS = 128  # the prompt whose prefill spot_prices times (a typical request's)
@@ -35,7 +35,7 @@ TYPICAL_NEW_TOKENS = 128  # and the tokens a typical request decodes after it
 # Where a typical request's decoding steps run on average: the context at which backends'
 # prices are compared (dflash.engine.target.fastest). A step's price grows with the cached
 # tokens at a rate that differs by backend: on a Zen 5 EPYC (2 threads) ONNX Runtime's int8
-# graph took 7.0 ms at 64 cached tokens, 8.3 at 256 and 10.3 at 511, llama.cpp 7.2-7.8 at all.
+# graph took 7.0 ms at 64 cached tokens, 8.3 at 256 and 10.3 at 511, llama.cpp 6.8-8.1 at 64-600.
 TYPICAL_CONTEXT = PREFILL_TOKENS + TYPICAL_NEW_TOKENS // 2
 CONTEXT_ROWS = 16  # pending context rows timed for the drafter's price per row
 CURVE_FORMAT = 2  # what a curve holds (2: the drafter's price per pending context row); older ones are measured again
@@ -327,7 +327,7 @@ class _StepBench:
             ps.cache.length = self.context - 1 - context_rows
         jobs = [(ps, self.feats[-1 - context_rows : -1], self.prompt[-1], self.context - 1, D) for ps in self.states]
         for logits in self.proposer.draft_logits(jobs):
-            logits.softmax(-1).max(-1)
+            peak_probs(logits)  # the confidences a step computes
         for ps, n in zip(self.states, committed):
             ps.cache.length = n
 

@@ -37,17 +37,15 @@ class DraftHead:
         w = weight if vocab is None else weight[vocab.to(weight.device)]
         self.vocab = None if vocab is None else vocab.to(weight.device)
         self.size = w.shape[0]
-        self._linear = None
+        self._linear, self.weight = None, None
         if int8 and runtime == "onnx":  # in the drafter's runtime (drafter_graph.OnnxHead says why)
             from dflash.engine.drafter_graph import OnnxHead
 
             self._linear = OnnxHead(w)
-            self.weight = None
         elif int8:
             layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
             layer.weight.data = w.float().contiguous()
             self._linear = quantize_int8(torch.nn.Sequential(layer))
-            self.weight = None
         else:
             self.weight = w if w.dtype == dtype else w.to(dtype)
 
