@@ -27,7 +27,7 @@ def onnx_file(smol_dir):
 
 @pytest.fixture(scope="module")
 def ort_target(onnx_file, smol_dir):
-    return ort.OrtTarget(onnx_file, smol_dir, threads=2, context=1024)
+    return ort.OrtTarget(onnx_file, smol_dir, threads=2, context=1024, build=onnx_target.BUILD)
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,37 @@ def test_the_export_is_edited_for_the_engine(onnx_file, smol_dir):
     assert {"seqlens_k", "total_sequence_length", "logit_rows"} <= names and "attention_mask" not in names
     assert onnx_target.is_current(smol_dir, onnx_file.parent)
     assert onnx_target.ensure_export(smol_dir, onnx_file.parent) == onnx_file  # cached: not exported again
+
+
+def test_the_export_is_made_as_its_build_says(onnx_file):
+    """Weights in blocks of BLOCK_SIZE; the features are the residual nodes' own outputs (no
+    copy per layer); the manifest records the build, so a cached price of another build is
+    not reused (it is part of the cost curve's key)."""
+    import json
+
+    import onnx
+
+    model = onnx.load(str(onnx_file), load_external_data=False)
+    blocks = {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"}
+    assert blocks == {onnx_target.BLOCK_SIZE}
+    produced = {o for n in model.graph.node for o in n.output}
+    assert {f"features.{i}" for i in LAYERS} <= produced
+    assert not [n for n in model.graph.node if n.op_type == "Identity"]
+    manifest = json.loads((onnx_file.parent / onnx_target.MANIFEST).read_text())
+    assert {k: manifest["key"][k] for k in onnx_target.BUILD} == onnx_target.BUILD
+
+
+def test_the_cost_curve_key_names_the_build(ort_engine):
+    from dflash.engine.costs import curve_key
+
+    key = curve_key(ort_engine)
+    target = ort_engine.target
+    saved = target.build
+    try:
+        target.build = {**onnx_target.BUILD, "block_size": 32}
+        assert curve_key(ort_engine) != key
+    finally:
+        target.build = saved
 
 
 def test_a_token_is_the_same_alone_in_a_block_or_in_a_chunk(ort_target):

@@ -132,7 +132,7 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     """Every target backend's builder for this target, device and dtype (see _Builder)."""
     import torch
 
-    from dflash.convert.onnx_target import builder_version, ensure_export, is_current
+    from dflash.convert.onnx_target import BUILD, builder_version, ensure_export, is_current
     from dflash.engine.dtypes import DTYPES
     from dflash.engine.target import llamacpp, ort
     from dflash.engine.target.hf import HFTarget
@@ -149,7 +149,8 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
         return llamacpp.LlamaCppTarget(gguf, target_dir, threads=torch.get_num_threads())
 
     def onnx_target():
-        return ort.OrtTarget(ensure_export(target_dir, export, quiet=False), target_dir, threads=torch.get_num_threads())
+        return ort.OrtTarget(ensure_export(target_dir, export, quiet=False), target_dir, threads=torch.get_num_threads(),
+                             build=BUILD)
 
     return {
         "hf": _Builder(hf, None),
@@ -181,12 +182,14 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
     import torch
 
     from dflash import __version__
+    from dflash.convert import onnx_target
     from dflash.engine.costs import TYPICAL_CONTEXT, cpu_name, spot_prices
     from dflash.engine.target import fastest
 
     key = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "target": Path(target_dir).name,
            "context": TYPICAL_CONTEXT,
-           "candidates": sorted(builders), "versions": fastest.runtime_versions(), "dflash": __version__}
+           "candidates": sorted(builders), "versions": fastest.runtime_versions(), "dflash": __version__,
+           "ort_build": onnx_target.BUILD}
     record = fastest.cached_choice(cost_dir, key)
     if record is not None:
         engine = engine_over(builders[record["choice"]]())

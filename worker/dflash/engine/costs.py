@@ -225,6 +225,7 @@ def curve_key(engine, max_batch: int = 1) -> dict:
         "torch": torch.__version__,
         "dflash": __version__,
         "backend": getattr(target, "backend", "hf"),
+        "target_build": getattr(target, "build", None),
         "max_batch": max_batch,
         "format": CURVE_FORMAT,
     }

@@ -139,6 +139,7 @@ AttentionInterface.register(PACKED, packed_attention)
 
 class HFTarget:
     backend = "hf"
+    build = None  # the weights as they are (Target protocol)
 
     def __init__(self, model, tokenizer=None, name: str = "target"):
         self.model = model.eval()

@@ -72,7 +72,9 @@ class OrtTarget(BorrowedHead):
     backend = NAME
 
     def __init__(self, model_file: str | Path, hf_dir: str | Path, threads: int | None = None,
-                 context: int = DEFAULT_CONTEXT):
+                 context: int = DEFAULT_CONTEXT, build: dict | None = None):
+        """`build`: what the graph was exported as (dflash.convert.onnx_target.BUILD), the
+        `build` of the Target protocol."""
         import onnxruntime as ort
 
         model_file, hf_dir = Path(model_file), Path(hf_dir)
@@ -100,7 +102,7 @@ class OrtTarget(BorrowedHead):
         self.kv_heads = int(kv_shape[1])
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.hidden_size = int(cfg.hidden_size)
-        self.model_file, self.hf_dir = model_file, hf_dir
+        self.model_file, self.hf_dir, self.build = model_file, hf_dir, build
         self.name = hf_dir.name
         self.threads = opts.intra_op_num_threads
         self.context_length = min(int(getattr(cfg, "max_position_embeddings", 2048)), context)

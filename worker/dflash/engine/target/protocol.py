@@ -59,6 +59,9 @@ class Target(Protocol):
     device: torch.device
     dtype: torch.dtype
     backend: str  # a short name for status and the tables ("hf", ...)
+    # What the backend made of the weights, where it made something (the ort export's
+    # precision and block size); part of every cached price's key. Absent: None.
+    build: dict | None
 
     def new_sequence(self) -> Sequence: ...
 
