@@ -249,6 +249,34 @@ def test_cost_curve_is_measured_once_and_cached(tmp_path, tiny_engine, monkeypat
     assert rel["step"][0] == 1.0 and math.isclose(rel["verify"][0], 1.0)
 
 
+def test_a_draft_is_priced_with_what_it_adds_to_the_verify_after_it():
+    """A drafter whose runtime slows the target's next forward (threads left spinning, a
+    pool to wake) costs the step more than its own time: the curve's draft price includes it,
+    and is never below the draft's own time."""
+    import time
+
+    from dflash.engine.costs import _StepBench
+
+    bench = object.__new__(_StepBench)
+    bench.device = torch.device("cpu")
+    after_draft = {"slow": False}
+
+    def draft(D, context_rows=1):
+        time.sleep(0.002)
+        after_draft["slow"] = True
+
+    def verify(L):
+        time.sleep(0.004 + (0.006 if after_draft["slow"] else 0.0))
+        after_draft["slow"] = False
+
+    bench.draft, bench.verify = draft, verify
+    alone = bench.draft_s(2, repeats=3)
+    assert 0.002 <= alone < 0.0075
+    assert bench.drafted_s(2, repeats=3) >= 0.0075  # 2 ms of its own + 6 ms more in the verify after it
+    bench.verify = lambda L: time.sleep(0.004)  # a drafter that leaves nothing behind
+    assert 0.002 <= bench.drafted_s(2, repeats=3) < 0.0075
+
+
 def _scaled(curve: CostCurve, factor: float) -> CostCurve:
     return CostCurve([v * factor for v in curve.verify_s], [d * factor for d in curve.draft_s], dict(curve.key),
                      curve.measured_at)

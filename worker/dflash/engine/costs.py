@@ -38,7 +38,9 @@ TYPICAL_NEW_TOKENS = 128  # and the tokens a typical request decodes after it
 # graph took 7.0 ms at 64 cached tokens, 8.3 at 256 and 10.3 at 511, llama.cpp 6.8-8.1 at 64-600.
 TYPICAL_CONTEXT = PREFILL_TOKENS + TYPICAL_NEW_TOKENS // 2
 CONTEXT_ROWS = 16  # pending context rows timed for the drafter's price per row
-CURVE_FORMAT = 2  # what a curve holds (2: the drafter's price per pending context row); older ones are measured again
+# What a curve holds (2: the drafter's price per pending context row; 3: a draft priced with the
+# verify after it); older ones are measured again.
+CURVE_FORMAT = 3
 REPEATS = 5
 BATCH_REPEATS = 3
 # The lengths timed (the drafter's block size too); prices in between are interpolated: a
@@ -85,7 +87,8 @@ def _along(values: list[float], x: float) -> float:
 class CostCurve:
     """Seconds: `verify_s[L-1]` for a target forward over L tokens with its features and the
     verify rule and cache crop; `draft_s[D-1]` for a drafter forward over a block of D with
-    the LM head over D - 1 rows (`draft_s[0]` = 0: no drafting). `batch_verify_s[B][L-1]`:
+    the LM head over D - 1 rows, and what it adds to the verify after it (`draft_s[0]` = 0:
+    no drafting; see _StepBench.drafted_s). `batch_verify_s[B][L-1]`:
     one forward of B requests verifying L tokens each; `batch_draft_s[B][D-1]`: one drafter
     pass drafting D positions for each of B requests (keys are batch sizes as strings, as
     JSON keeps them). A curve without batch prices (a synthetic one) prices B requests as
@@ -341,6 +344,17 @@ class _StepBench:
     def draft_s(self, D: int, repeats: int = REPEATS, context_rows: int = 1) -> float:
         return _best_s(lambda: self.draft(D, context_rows), self.device, repeats)
 
+    def drafted_s(self, D: int, repeats: int = REPEATS, verify_s: float | None = None) -> float:
+        """What drafting D adds to a step: a draft of D with the verify of D after it, less
+        that verify alone (`verify_s`, if measured already), and never less than the draft's
+        own time (a smaller difference is noise). Not the draft alone: a runtime whose
+        threads spin on after the draft, or whose pool must wake the target's, slows the
+        verify that follows, and the step pays that too."""
+        if verify_s is None:
+            verify_s = self.verify_s(D, repeats)
+        both = _best_s(lambda: (self.draft(D), self.verify(D)), self.device, repeats)
+        return max(both - verify_s, self.draft_s(D, repeats))
+
     def context_row_s(self, repeats: int = REPEATS, rows: int = CONTEXT_ROWS) -> float:
         """What one more pending context row adds to a draft (of 2)."""
         return max(self.draft_s(2, repeats, rows + 1) - self.draft_s(2, repeats), 0.0) / rows
@@ -358,7 +372,7 @@ def _curve(bench: _StepBench, lengths, repeats: int) -> tuple[list[float], list[
     for L in lengths:  # interleaved, so a slow moment of the machine spreads out
         verify_at[L] = bench.verify_s(L, repeats)
         if L > 1:
-            draft_at[L] = bench.draft_s(L, repeats)
+            draft_at[L] = bench.drafted_s(L, repeats, verify_at[L])
     return _non_decreasing(_interpolate(verify_at, B)), [0.0] + _non_decreasing(_interpolate(draft_at, B)[1:])
 
 
@@ -407,7 +421,7 @@ def spot_check(engine, curve: CostCurve) -> dict:
     for L in sorted({min(n, B) for n in SPOT_LENGTHS}):
         checks[f"verify_{L}"] = (bench.verify_s(L), curve.verify_s[L - 1])
     if B > 1:
-        checks[f"draft_{B}"] = (bench.draft_s(B), curve.draft_s[B - 1])
+        checks[f"draft_{B}"] = (bench.drafted_s(B), curve.draft_s[B - 1])
     bench.close()
     if curve.batch_verify_s:
         seqs = max(int(b) for b in curve.batch_verify_s)
@@ -429,7 +443,7 @@ def spot_prices(engine, lengths=(1, 2, 4), repeats: int = REPEATS) -> dict:
     bench = _StepBench(engine, context=TYPICAL_CONTEXT)
     bench.verify(max(lengths)), bench.draft(max(lengths))  # warm up the largest shapes
     verify = {str(L): bench.verify_s(L, repeats) for L in lengths}
-    draft = {str(L): bench.draft_s(L, repeats) for L in lengths if 1 < L <= engine.block_size}
+    draft = {str(L): bench.drafted_s(L, repeats, verify[str(L)]) for L in lengths if 1 < L <= engine.block_size}
     bench.close()
     target, ids = engine.target, [(100 + i) % engine.target.vocab_size for i in range(PREFILL_TOKENS)]
 
