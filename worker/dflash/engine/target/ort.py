@@ -2,8 +2,9 @@
 
 The graph (made by dflash.convert.onnx_target from the target's Hugging Face folder) holds
 8-bit block-quantized weights whose kernels reuse each weight block across the rows of a
-call: verifying 4 drafted tokens costs about 1.35 plain steps on a 2-core AVX2 EPYC, where
-llama.cpp's Q4_1 kernels pay every row in full (2.35). Everything the loop needs:
+call: verifying 4 drafted tokens cost about 1.35 plain steps on a 2-core AVX2 EPYC (Zen 3,
+blocks of 32) and 1.05 on a Zen 5 (blocks of 64), where llama.cpp's Q4_1 kernels pay every
+row in full (2.35 and 2.7). Everything the loop needs:
 - K/V memory: per sequence and layer a buffer [1, kv_heads, capacity, head_dim] that ONNX
   Runtime's attention reads and writes in place (its shared past/present buffers: nothing
   is copied per step); it grows by doubling, and a rollback only moves the length back;
