@@ -315,3 +315,31 @@ def test_pending_context_rows_are_priced_into_a_draft():
     assert policy.plan(None, 0.0, True, pending_rows=1)[0] == "dflash"
     assert policy.plan(None, 0.0, True, pending_rows=200) == (None, 1)
     assert policy.plan(None, 0.0, True, pending_rows=1)[0] == "dflash"  # fewer rows: decided afresh
+
+
+def test_the_curve_times_lengths_in_rounds_and_prices_padded_lengths_alike():
+    """A slow moment of the machine (here: its first dozen calls) costs every length one
+    sample, not one length all of them; and on a target that pads a lone row to two, a
+    verify of 1 is priced as a verify of 2 (the same call), whichever was timed faster."""
+    import time
+
+    from dflash.engine.costs import _curve, _StepBench
+
+    bench = object.__new__(_StepBench)
+    bench.device, bench.block_size = torch.device("cpu"), 4
+    calls = {"n": 0}
+
+    def busy():
+        calls["n"] += 1
+        return 0.02 if calls["n"] <= 12 else 0.0
+
+    bench.verify = lambda L: time.sleep(0.002 * max(L, 2) + busy())
+    bench.draft = lambda D, context_rows=1: time.sleep(0.001 * D + busy())
+    for min_rows in (1, 2):
+        calls["n"] = 0
+        bench.target = type("T", (), {"min_rows": min_rows})()
+        verify_s, draft_s = _curve(bench, (1, 2, 3, 4), repeats=3)
+        assert all(v < 0.002 * max(L, 2) + 0.0015 for L, v in enumerate(verify_s, 1)), verify_s  # no slow sample kept
+        assert all(d < 0.001 * D + 0.0015 for D, d in enumerate(draft_s[1:], 2)), draft_s
+        if min_rows == 2:
+            assert verify_s[0] == verify_s[1]

@@ -35,8 +35,9 @@ def test_warp_temperature_topk_topp():
     assert full[0] < p[0]
 
 
-def test_greedy_rule():
-    logits = torch.eye(V)[[1, 2, 3]] * 5  # argmax 1, 2, 3
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # the CPU row-by-row path and torch's
+def test_greedy_rule(dtype):
+    logits = (torch.eye(V)[[1, 2, 3]] * 5).to(dtype)  # argmax 1, 2, 3
     assert verify_greedy(torch.tensor([1, 2]), logits) == (2, 3)  # all accepted, bonus 3
     assert verify_greedy(torch.tensor([1, 0]), logits) == (1, 2)  # second rejected, target's 2
     assert verify_greedy(torch.tensor([0, 2]), logits) == (0, 1)  # a later match does not count

@@ -39,8 +39,9 @@ TYPICAL_NEW_TOKENS = 128  # and the tokens a typical request decodes after it
 TYPICAL_CONTEXT = PREFILL_TOKENS + TYPICAL_NEW_TOKENS // 2
 CONTEXT_ROWS = 16  # pending context rows timed for the drafter's price per row
 # What a curve holds (2: the drafter's price per pending context row; 3: a draft priced with the
-# verify after it); older ones are measured again.
-CURVE_FORMAT = 3
+# verify after it; 4: lengths timed in rounds, lengths under the target's min_rows priced
+# alike); older ones are measured again.
+CURVE_FORMAT = 4
 REPEATS = 5
 BATCH_REPEATS = 3
 # The lengths timed (the drafter's block size too); prices in between are interpolated: a
@@ -353,7 +354,7 @@ class _StepBench:
         if verify_s is None:
             verify_s = self.verify_s(D, repeats)
         both = _best_s(lambda: (self.draft(D), self.verify(D)), self.device, repeats)
-        return max(both - verify_s, self.draft_s(D, repeats))
+        return _drafted(both, verify_s, self.draft_s(D, repeats))
 
     def context_row_s(self, repeats: int = REPEATS, rows: int = CONTEXT_ROWS) -> float:
         """What one more pending context row adds to a draft (of 2)."""
@@ -364,16 +365,36 @@ class _StepBench:
             self.target.free(q)
 
 
+def _drafted(both_s: float, verify_s: float, draft_s: float) -> float:
+    """What drafting adds to its step (_StepBench.drafted_s): a draft with its verify less
+    the verify alone, never less than the draft alone."""
+    return max(both_s - verify_s, draft_s)
+
+
 def _curve(bench: _StepBench, lengths, repeats: int) -> tuple[list[float], list[float]]:
-    """Verify and draft prices at every length 1..B from timings at `lengths`."""
+    """Verify and draft prices at every length 1..B from timings at `lengths`, the fastest of
+    `repeats` rounds in which every length is timed once in turn: a slow moment of the
+    machine (on a shared VM one lasts seconds) then costs each length one sample, not one
+    length all of its samples and a kink in the curve. A verify shorter than the target's
+    `min_rows` is the same call as one of `min_rows` (padded), so all are priced as their
+    fastest."""
     B = bench.block_size
     lengths = [n for n in lengths if n < B] + [B]
-    verify_at, draft_at = {}, {1: 0.0}
-    for L in lengths:  # interleaved, so a slow moment of the machine spreads out
-        verify_at[L] = bench.verify_s(L, repeats)
-        if L > 1:
-            draft_at[L] = bench.drafted_s(L, repeats, verify_at[L])
-    return _non_decreasing(_interpolate(verify_at, B)), [0.0] + _non_decreasing(_interpolate(draft_at, B)[1:])
+    verify_at = {L: float("inf") for L in lengths}
+    draft_at = {L: float("inf") for L in lengths if L > 1}
+    both_at = dict(draft_at)  # a draft and the verify after it
+    for _ in range(repeats):
+        for L in lengths:
+            verify_at[L] = min(verify_at[L], _best_s(lambda: bench.verify(L), bench.device, 1))
+            if L > 1:
+                draft_at[L] = min(draft_at[L], _best_s(lambda: bench.draft(L), bench.device, 1))
+                both_at[L] = min(both_at[L], _best_s(lambda: (bench.draft(L), bench.verify(L)), bench.device, 1))
+    padded = [L for L in lengths if L <= bench.target.min_rows]
+    if len(padded) > 1:
+        for L in padded:
+            verify_at[L] = min(verify_at[k] for k in padded)
+    drafted = {1: 0.0, **{L: _drafted(both_at[L], verify_at[L], draft_at[L]) for L in draft_at}}
+    return _non_decreasing(_interpolate(verify_at, B)), [0.0] + _non_decreasing(_interpolate(drafted, B)[1:])
 
 
 @torch.inference_mode()

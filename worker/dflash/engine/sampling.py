@@ -172,7 +172,16 @@ def peak_probs(logits: torch.Tensor) -> list[float]:
 
 
 def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """Keep drafts while they equal the target's argmax; then the target's own argmax."""
+    """Keep drafts while they equal the target's argmax; then the target's own argmax. On a
+    CPU the rows are read one at a time and only up to the first miss (a row's argmax over a
+    49k vocabulary is ~10 us; the steps of a chain of 5 keep 2 drafts on average)."""
+    if target_logits.device.type == "cpu" and target_logits.dtype == torch.float32:
+        rows, drafts = target_logits.numpy(), draft_ids.tolist()
+        for a, d in enumerate(drafts):
+            top = int(rows[a].argmax())
+            if top != d:
+                return a, top
+        return len(drafts), int(rows[len(drafts)].argmax())
     pred = argmax_rows(target_logits)
     a = _accepted_prefix(draft_ids == pred[:-1])
     return a, int(pred[a])

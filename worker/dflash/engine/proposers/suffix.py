@@ -22,7 +22,14 @@ from dflash.engine.proposers.suffix_index import SuffixIndex, propose_from
 NAME = "suffix"
 SELF = 0  # the document id of the request's own tokens in its index
 MAX_CONTEXT = 32  # the longest suffix looked up
-MIN_MATCH = 2  # a one-token match continues wherever that token did: no evidence
+# The shortest match that proposes. 1: even a one-token match proposes what most often
+# followed that token (in the request's text and its workload's memory), a bigram guess that
+# the policy trusts only as far as its calibrated outcomes say, at a verify price that is
+# nearly nothing for a row or two (ort: a plain step runs two rows anyway). Measured on a
+# 2-core Zen 5 (ort, 128 new tokens; priced by the cost curve, steps replayed by the policy):
+# 1 instead of 2 raised the `suffix` method's speedup over plain steps from 1.70 to 1.83 on
+# agent, 2.05 to 2.15 on code, 1.25 to 1.30 on chat and 2.11 to 2.25 on `repetitive`.
+MIN_MATCH = 1
 SPEC_FACTOR = 2  # a chain is at most this many times as long as the match it continues
 MAX_POOLS = 256  # workloads whose pooled calibration is kept (least recently used dropped)
 

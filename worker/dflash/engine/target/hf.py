@@ -140,6 +140,7 @@ AttentionInterface.register(PACKED, packed_attention)
 class HFTarget:
     backend = "hf"
     build = None  # the weights as they are (Target protocol)
+    min_rows = 1  # nothing padded (Target protocol)
 
     def __init__(self, model, tokenizer=None, name: str = "target"):
         self.model = model.eval()

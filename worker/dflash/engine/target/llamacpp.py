@@ -101,6 +101,7 @@ class LlamaCppSequence:
 class LlamaCppTarget(BorrowedHead):
     backend = NAME
     build = None  # the GGUF as it ships (Target protocol)
+    min_rows = 1  # nothing padded (Target protocol)
 
     def __init__(self, gguf: str | Path, hf_dir: str | Path, threads: int | None = None,
                  max_sequences: int = MAX_SEQUENCES, context: int = DEFAULT_CONTEXT):

@@ -71,6 +71,7 @@ class OrtSequence:
 
 class OrtTarget(BorrowedHead):
     backend = NAME
+    min_rows = MIN_ROWS  # a lone row is padded to two (Target protocol)
 
     def __init__(self, model_file: str | Path, hf_dir: str | Path, threads: int | None = None,
                  context: int = DEFAULT_CONTEXT, build: dict | None = None):

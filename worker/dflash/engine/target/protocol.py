@@ -62,6 +62,9 @@ class Target(Protocol):
     # What the backend made of the weights, where it made something (the ort export's
     # precision and block size); part of every cached price's key. Absent: None.
     build: dict | None
+    # The fewest rows a call of one sequence runs (a shorter one is padded to this many):
+    # verifying fewer tokens costs what verifying this many does. 1 where nothing is padded.
+    min_rows: int
 
     def new_sequence(self) -> Sequence: ...
 
