@@ -390,9 +390,9 @@ def _curve(bench: _StepBench, lengths, repeats: int) -> tuple[list[float], list[
                 draft_at[L] = min(draft_at[L], _best_s(lambda: bench.draft(L), bench.device, 1))
                 both_at[L] = min(both_at[L], _best_s(lambda: (bench.draft(L), bench.verify(L)), bench.device, 1))
     padded = [L for L in lengths if L <= bench.target.min_rows]
-    if len(padded) > 1:
-        for L in padded:
-            verify_at[L] = min(verify_at[k] for k in padded)
+    if padded:
+        fastest = min(verify_at[L] for L in padded)
+        verify_at.update({L: fastest for L in padded})
     drafted = {1: 0.0, **{L: _drafted(both_at[L], verify_at[L], draft_at[L]) for L in draft_at}}
     return _non_decreasing(_interpolate(verify_at, B)), [0.0] + _non_decreasing(_interpolate(drafted, B)[1:])
 

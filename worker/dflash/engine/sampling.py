@@ -151,12 +151,18 @@ def _accepted_prefix(matches: torch.Tensor) -> int:
     return int(matches.to(torch.int32).cumprod(0).sum()) if matches.numel() else 0
 
 
+def _through_numpy(logits: torch.Tensor) -> bool:
+    """Whether the row-wise reductions below go through numpy: fp32 on a CPU (argmax_rows
+    says why)."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first of equal maxima, as torch's). fp32 on a CPU through numpy:
     ~15 us for 2 rows of a 49k vocabulary against torch's ~150, and no OpenMP region, whose
     threads would go on spinning into the target's next forward and slow it (measured: a
     verify of 2 on the ONNX Runtime backend 17 % dearer after a torch argmax)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+    if _through_numpy(logits):
         return torch.from_numpy(np.asarray(logits.numpy().argmax(-1)))
     return logits.argmax(-1)
 
@@ -165,7 +171,7 @@ def peak_probs(logits: torch.Tensor) -> list[float]:
     """Each row's largest softmax probability (a draft's confidence), through numpy on a CPU
     for the reason argmax_rows gives: torch's softmax over a block of drafted rows opens an
     OpenMP region whose threads spin into the target's next forward."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+    if _through_numpy(logits):
         x = logits.numpy()
         return (1.0 / np.exp(x - x.max(-1, keepdims=True)).sum(-1)).tolist()
     return logits.softmax(-1).max(-1).values.tolist()
@@ -175,7 +181,7 @@ def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple
     """Keep drafts while they equal the target's argmax; then the target's own argmax. On a
     CPU the rows are read one at a time and only up to the first miss (a row's argmax over a
     49k vocabulary is ~10 us; the steps of a chain of 5 keep 2 drafts on average)."""
-    if target_logits.device.type == "cpu" and target_logits.dtype == torch.float32:
+    if _through_numpy(target_logits):
         rows, drafts = target_logits.numpy(), draft_ids.tolist()
         for a, d in enumerate(drafts):
             top = int(rows[a].argmax())
