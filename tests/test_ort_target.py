@@ -70,6 +70,12 @@ def test_the_export_is_made_as_its_build_says(onnx_file):
     produced = {o for n in model.graph.node for o in n.output}
     assert {f"features.{i}" for i in LAYERS} <= produced
     assert not [n for n in model.graph.node if n.op_type == "Identity"]
+    for k in onnx_target.BATCH_GRAPHS:  # the batch graphs: k attention nodes a layer, the same weights file
+        batch = onnx.load(str(onnx_file.parent / onnx_target.batch_file(k)), load_external_data=False)
+        attention = [n for n in batch.graph.node if n.op_type == "GroupQueryAttention"]
+        assert len(attention) == k * len([n for n in model.graph.node if n.op_type == "GroupQueryAttention"])
+        files = {e.value for i in batch.graph.initializer for e in i.external_data if e.key == "location"}
+        assert files == {onnx_file.name + ".data"}
     manifest = json.loads((onnx_file.parent / onnx_target.MANIFEST).read_text())
     assert {k: manifest["key"][k] for k in onnx_target.BUILD} == onnx_target.BUILD
 
@@ -119,6 +125,36 @@ def test_a_packed_forward_equals_each_sequence_alone(ort_target):
         alone = t.new_sequence()
         assert torch.equal(t.forward_batch([TargetRow(alone, ids, len(logits))], LAYERS).logits[0], logits)
         t.free(alone)
+
+
+@pytest.mark.parametrize("n", [3, 5, 9])
+def test_several_sequences_run_in_one_call_and_get_what_they_get_alone(ort_target, monkeypatch, n):
+    """n sequences at different lengths, with 1, 4 or 30 new rows each, in one forward_batch:
+    one ONNX Runtime call per max_batch sequences (3 in the graph for 4, with a stand-in in
+    the spare place; 9 as 8 + 1), and each sequence's logits, features and cache exactly as
+    when it runs alone."""
+    t = ort_target
+    assert t.max_batch == max(onnx_target.BATCH_GRAPHS) == 8
+    seqs = [t.new_sequence() for _ in range(n)]
+    prompts = [_ids(20 + 7 * j, j) for j in range(n)]
+    t.forward_batch([TargetRow(s, p, 1) for s, p in zip(seqs, prompts)], LAYERS)
+    news = [_ids((1, 4, 30)[j % 3], 50 + j) for j in range(n)]
+    calls = []
+    for session in [t.session, *(t._batch_session(k) for k in onnx_target.BATCH_GRAPHS)]:
+        run = session.run_with_iobinding
+        monkeypatch.setattr(session, "run_with_iobinding", lambda b, *a, _run=run, _s=session: (calls.append(_s), _run(b, *a))[1])
+    out = t.forward_batch([TargetRow(s, ids, len(ids)) for s, ids in zip(seqs, news)], LAYERS)
+    monkeypatch.undo()
+    assert len(calls) == -(-n // t.max_batch)
+    assert [s.length for s in seqs] == [len(p) + len(ids) for p, ids in zip(prompts, news)]
+    for s, p, ids, logits, feats in zip(seqs, prompts, news, out.logits, out.features):
+        alone = t.new_sequence()
+        t.forward_batch([TargetRow(alone, p, 1)], LAYERS)
+        ref = t.forward_batch([TargetRow(alone, ids, len(ids))], LAYERS)
+        assert torch.equal(logits, ref.logits[0]) and torch.equal(feats, ref.features[0])
+        after, again = (t.forward_batch([TargetRow(q, [7, 8], 2)], ()).logits[0] for q in (s, alone))
+        assert torch.equal(after, again)  # the cache the batch call wrote is the one alone would have
+        t.free(alone), t.free(s)
 
 
 def test_rollback_is_as_if_the_rows_were_never_cached(ort_target):

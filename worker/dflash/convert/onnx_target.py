@@ -23,6 +23,16 @@ The builder's graph is then edited for what the engine needs:
 - `features.{i}` [B, S, H]: the residual stream after decoder layer i (Hugging Face's
   `hidden_states[i + 1]`), every layer, for the drafter's target features.
 
+Beside it, for several requests in one forward, a graph per size k in BATCH_GRAPHS
+(`model-batch{k}.onnx`, the same weights file): ONNX Runtime's attention takes one sequence
+of several rows only at batch size 1 ("batch_size must be 1 when sequence_length > 1 and
+past context is given"), so these graphs keep the batch size 1 and run the rows of k
+sequences as one row axis through every weight (`row_counts` [k] says how many rows each
+has), cut it before each layer's attention into k parts, one attention node per sequence
+with K/V inputs and lengths of its own (`past_key_values.{layer}.key.{j}`, `seqlens_k.{j}`,
+`total_sequence_length.{j}`, ...), and join the parts again. A sequence's rows meet the
+same kernels as in the one-sequence graph, so its numbers are the same bit for bit.
+
 The export is cached (dflash.model_files.onnx_export_dir) with a manifest of what made it;
 an export whose manifest disagrees with its source folder is made again.
 """
@@ -39,12 +49,18 @@ from pathlib import Path
 
 from dflash.errors import DFlashError
 
-FORMAT = 2  # bump when the edits below change
+FORMAT = 3  # bump when the edits below change
 MODEL_FILE = "model.onnx"
+BATCH_GRAPHS = (2, 4, 8)  # the sequences per call of the batch graphs (module doc)
 MANIFEST = "dflash-onnx-target.json"
 PRECISION = "int8"
 BLOCK_SIZE = 64  # weights (and int8 activations) quantized per block of this many (module doc)
-BUILD = {"format": FORMAT, "precision": PRECISION, "block_size": BLOCK_SIZE}  # what an export is made as
+BUILD = {"format": FORMAT, "precision": PRECISION, "block_size": BLOCK_SIZE}
+
+
+def batch_file(k: int) -> str:
+    """The graph that runs k sequences in one call (module doc), beside MODEL_FILE."""
+    return f"model-batch{k}.onnx"  # what an export is made as
 
 
 def builder_version() -> str | None:
@@ -71,7 +87,8 @@ def is_current(hf_dir: Path, out: Path) -> bool:
     except (OSError, ValueError):
         return False
     builder = builder_version()
-    return (manifest.get("key") == _source_key(Path(hf_dir)) and (Path(out) / MODEL_FILE).is_file()
+    files = [MODEL_FILE, *(batch_file(k) for k in BATCH_GRAPHS)]
+    return (manifest.get("key") == _source_key(Path(hf_dir)) and all((Path(out) / f).is_file() for f in files)
             and (builder is None or manifest.get("builder") == builder))
 
 
@@ -103,6 +120,8 @@ def ensure_export(hf_dir: str | Path, out: str | Path, quiet: bool = True) -> Pa
         final = work / "final"
         final.mkdir()
         edit(built / MODEL_FILE, final / MODEL_FILE)
+        for k in BATCH_GRAPHS:
+            write_batch_graph(final / MODEL_FILE, final / batch_file(k), k)
         manifest = {"key": _source_key(hf_dir), "builder": builder_version()}
         (final / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         if out.exists():
@@ -172,6 +191,55 @@ def edit(src: Path, dst: Path) -> None:
                                                   ["batch_size", "sequence_length", hidden]) for i in range(layers))
     onnx.save(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
               location=dst.name + ".data", size_threshold=1024)
+
+
+def write_batch_graph(src: Path, dst: Path, k: int) -> None:
+    """The edited graph `src` for k sequences per call (module doc), written beside it as
+    `dst`: the graph only, its weights stay in `src`'s data file."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(src), load_external_data=False)
+    g = model.graph
+    nodes, layers = [], 0
+    for n in g.node:
+        if n.op_type != "GroupQueryAttention":
+            nodes.append(n)
+            continue
+        layer, qkv, out = int(n.output[1].split(".")[1]), n.input[0], n.output[0]  # present.{layer}.key
+        layers += 1
+        parts = [f"{qkv}/seq{j}" for j in range(k)]
+        nodes.append(helper.make_node("Split", [qkv, "row_counts"], parts, axis=1, name=f"{n.name}/split"))
+        for j in range(k):
+            ins = list(n.input)
+            ins[0], ins[3], ins[4] = parts[j], f"past_key_values.{layer}.key.{j}", f"past_key_values.{layer}.value.{j}"
+            ins[5], ins[6] = f"seqlens_k.{j}", f"total_sequence_length.{j}"
+            node = helper.make_node(n.op_type, ins, [f"{out}/seq{j}", f"present.{layer}.key.{j}",
+                                                     f"present.{layer}.value.{j}"], name=f"{n.name}/seq{j}",
+                                    domain=n.domain)
+            node.attribute.extend(n.attribute)
+            nodes.append(node)
+        nodes.append(helper.make_node("Concat", [f"{out}/seq{j}" for j in range(k)], [out], axis=1,
+                                      name=f"{n.name}/join"))
+    del g.node[:]
+    g.node.extend(nodes)
+    old = {i.name: i for i in g.input}
+    kv_dims = [d.dim_value or d.dim_param for d in old["past_key_values.0.key"].type.tensor_type.shape.dim]
+    inputs = [old["input_ids"], old["logit_rows"], helper.make_tensor_value_info("row_counts", TensorProto.INT64, [k])]
+    outputs = [o for o in g.output if not o.name.startswith("present.")]
+    for j in range(k):
+        inputs += [helper.make_tensor_value_info(f"seqlens_k.{j}", TensorProto.INT32, [1]),
+                   helper.make_tensor_value_info(f"total_sequence_length.{j}", TensorProto.INT32, [])]
+        for layer in range(layers):
+            for kind in ("key", "value"):
+                dims = [1, kv_dims[1], f"capacity_{j}", kv_dims[3]]
+                inputs.append(helper.make_tensor_value_info(f"past_key_values.{layer}.{kind}.{j}", TensorProto.FLOAT, dims))
+                outputs.append(helper.make_tensor_value_info(f"present.{layer}.{kind}.{j}", TensorProto.FLOAT, dims))
+    del g.input[:]
+    g.input.extend(inputs)
+    del g.output[:]
+    g.output.extend(outputs)
+    onnx.save(model, str(dst))
 
 
 def _hidden_size(model, lm) -> int:

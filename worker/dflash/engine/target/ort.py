@@ -20,8 +20,15 @@ row in full (2.35 and 2.7). Everything the loop needs:
   call of more than 128 rows (another path again: a 129-token prompt prefilled in one call
   gave logits up to 1.0 away from the same prompt in two chunks, and a different greedy
   answer when it shared steps with other callers), so longer rows (prompts) run in calls of
-  at most 128; and several sequences in one call, which ONNX Runtime's attention allows
-  only one row each (through that same path), so each sequence runs in a call of its own.
+  at most 128 rows;
+- several requests in one forward: ONNX Runtime's attention takes several sequences in one
+  call only with one row each (the one-row path again), so the export's batch graphs
+  (dflash.convert.onnx_target.BATCH_GRAPHS) put the rows of up to 8 sequences on one row
+  axis through the weights and give each sequence an attention node of its own, on its own
+  K/V buffers: one call reads the weights once for all of them, and each sequence's rows
+  go through the same kernels as alone (bit-identical, tested). A graph for k sequences
+  runs fewer with one-row stand-ins in the spare places (a 1-token "prompt" on a scratch
+  buffer); the graphs' sessions open at the first call that needs them.
 The drafter borrows the embedding and the LM head from the Hugging Face folder (fp32).
 
 A different numeric path from the fp32 reference: greedy output is this backend's greedy
@@ -31,12 +38,14 @@ two logits are close.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from dflash.convert.onnx_target import BATCH_GRAPHS, batch_file
 from dflash.engine.target.hf_files import BorrowedHead, read_hf_side
 from dflash.engine.target.protocol import TargetOutput, TargetRow
 from dflash.errors import DFlashError
@@ -46,6 +55,7 @@ DEFAULT_CONTEXT = 4096
 INITIAL_CAPACITY = 256  # K/V rows of a sequence at first; doubles as it grows
 MIN_ROWS = 2  # a call of one row takes another kernel path (module doc)
 MAX_ROWS = 128  # and so does a call of more (module doc): longer rows go in calls of this many
+BINDINGS_KEPT = 8  # batch bindings kept (each holds its sequences' K/V buffers)
 
 
 def available() -> bool:
@@ -67,6 +77,8 @@ class OrtSequence:
     binding: object | None = None
     buffers: list = field(default_factory=list)  # (past name, present name, OrtValue) per K/V buffer
     bound_layers: tuple | None = None  # the feature outputs the binding's last call wanted
+    generation: int = 0  # bumped when the K/V buffers are replaced (bindings of them are stale)
+    serial: int = field(default_factory=itertools.count().__next__)  # names it in the batch bindings' keys
 
 
 class OrtTarget(BorrowedHead):
@@ -89,6 +101,7 @@ class OrtTarget(BorrowedHead):
         # No spinning after a call: the drafter (PyTorch or its own ONNX Runtime session) runs
         # next, and spinning threads would take its cores.
         opts.add_session_config_entry("session.force_spinning_stop", "1")
+        self._opts, self._batch_sessions, self._batch_bindings, self._scratch_values = opts, {}, {}, None
         try:
             self.session = ort.InferenceSession(str(model_file), opts, providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own exception types
@@ -114,15 +127,20 @@ class OrtTarget(BorrowedHead):
         self.device = torch.device("cpu")
         self.dtype = torch.float32  # of what it returns (logits, features); the weights are int8
         self._ortvalue = ort.OrtValue.ortvalue_from_numpy
+        # Sequences per call: up to the largest batch graph, where the export has them.
+        self.max_batch = max(BATCH_GRAPHS) if all((model_file.parent / batch_file(k)).is_file()
+                                                  for k in BATCH_GRAPHS) else 1
 
     # --- the Target protocol -------------------------------------------------------------
 
     def new_sequence(self) -> OrtSequence:
         return OrtSequence()
 
-    @staticmethod
-    def free(seq: OrtSequence) -> None:
+    def free(self, seq: OrtSequence) -> None:
         seq.keys, seq.values, seq.length, seq.binding, seq.buffers = [], [], 0, None, []
+        seq.generation += 1
+        for key in [k for k in self._batch_bindings if seq.serial in k[1]]:
+            del self._batch_bindings[key]
 
     @staticmethod
     def rollback(seq: OrtSequence, length: int) -> None:
@@ -133,23 +151,141 @@ class OrtTarget(BorrowedHead):
             if not 0 <= i < self.num_layers:
                 raise DFlashError("incompatible_drafter", f"the drafter reads target layer {i}; the target has "
                                                           f"{self.num_layers}")
-        logits, feats = [], []
-        for row in rows:  # one call per sequence, of at most MAX_ROWS rows (module doc)
-            lgs, fts = [], []
-            for k in range(0, len(row.ids), MAX_ROWS):
-                part = row.ids[k:k + MAX_ROWS]
-                asked = max(0, row.logits - (len(row.ids) - k - len(part)))  # asked rows are the last ones
-                lg, ft = self._call(TargetRow(row.seq, part, min(asked, len(part))), layer_ids)
-                row.seq.length += len(part)
-                lgs.append(lg)
-                if ft is not None:
-                    fts.append(ft)
-            logits.append(torch.cat(lgs) if len(lgs) > 1 else lgs[0] if lgs else torch.empty(0, self.vocab_size))
-            feats.append(torch.cat(fts) if fts else (torch.empty(0, len(layer_ids) * self.hidden_size)
-                                                      if layer_ids else None))
+        logits, feats = [None] * len(rows), [None] * len(rows)
+        group: list[int] = []  # rows that go in one call of a batch graph
+
+        def flush():
+            if len(group) == 1:
+                self._alone(rows, group[0], layer_ids, logits, feats)
+            elif group:
+                self._together(rows, list(group), layer_ids, logits, feats)
+            group.clear()
+
+        for i, row in enumerate(rows):
+            n = max(len(row.ids), MIN_ROWS)
+            if not row.ids or len(row.ids) > MAX_ROWS:  # nothing to run, or a prompt in calls of its own
+                self._alone(rows, i, layer_ids, logits, feats)
+                continue
+            if len(group) == self.max_batch or sum(max(len(rows[j].ids), MIN_ROWS) for j in group) + n > MAX_ROWS:
+                flush()
+            group.append(i)
+        flush()
         return TargetOutput(logits, feats)
 
     # --- inside ------------------------------------------------------------------------------
+
+    def _alone(self, rows, i, layer_ids, logits, feats) -> None:
+        """Row i in calls of its own, of at most MAX_ROWS rows."""
+        row = rows[i]
+        lgs, fts = [], []
+        for k in range(0, len(row.ids), MAX_ROWS):
+            part = row.ids[k:k + MAX_ROWS]
+            asked = max(0, row.logits - (len(row.ids) - k - len(part)))  # asked rows are the last ones
+            lg, ft = self._call(TargetRow(row.seq, part, min(asked, len(part))), layer_ids)
+            row.seq.length += len(part)
+            lgs.append(lg)
+            if ft is not None:
+                fts.append(ft)
+        logits[i] = torch.cat(lgs) if len(lgs) > 1 else lgs[0] if lgs else torch.empty(0, self.vocab_size)
+        feats[i] = (torch.cat(fts) if fts else (torch.empty(0, len(layer_ids) * self.hidden_size)
+                                                 if layer_ids else None))
+
+    def _batch_session(self, k: int):
+        if k not in self._batch_sessions:
+            import onnxruntime as ort
+
+            path = self.model_file.parent / batch_file(k)
+            try:
+                self._batch_sessions[k] = ort.InferenceSession(str(path), self._opts, providers=["CPUExecutionProvider"])
+            except Exception as exc:  # onnxruntime raises its own exception types
+                raise DFlashError("bad_target", f"ONNX Runtime cannot load {path} ({str(exc)[:200]})") from None
+        return self._batch_sessions[k]
+
+    def _together(self, rows, group: list[int], layer_ids, logits, feats) -> None:
+        """The rows `group` of `rows` (at most max(BATCH_GRAPHS) sequences, at most MAX_ROWS
+        rows in all, each padded to MIN_ROWS) in one call of the smallest batch graph that
+        holds them; its spare places run a one-row stand-in."""
+        k = min(b for b in BATCH_GRAPHS if b >= len(group))
+        seqs = [rows[i].seq for i in group]
+        sizes = [max(len(rows[i].ids), MIN_ROWS) for i in group] + [1] * (k - len(group))
+        for seq, S in zip(seqs, sizes):
+            self._reserve(seq, seq.length + S)
+        starts = np.cumsum([0] + sizes)
+        ids = np.zeros((1, int(starts[-1])), dtype=np.int64)
+        want = []
+        for j, i in enumerate(group):
+            row, at = rows[i], int(starts[j])
+            ids[0, at:at + len(row.ids)] = row.ids
+            want.append(np.arange(at + len(row.ids) - row.logits, at + len(row.ids), dtype=np.int64))
+        want = np.concatenate(want)
+        asked = len(want)
+        if not asked:
+            want = np.zeros(1, dtype=np.int64)
+        out_logits = np.empty((len(want), self.vocab_size), dtype=np.float32)
+        out_feats = [np.empty((1, ids.shape[1], self.hidden_size), dtype=np.float32) for _ in layer_ids]
+        b = self._batch_binding(k, seqs, layer_ids)
+        b.bind_cpu_input("input_ids", ids)
+        b.bind_cpu_input("row_counts", np.array(sizes, dtype=np.int64))
+        b.bind_cpu_input("logit_rows", want)
+        for j in range(k):
+            cached = seqs[j].length if j < len(seqs) else 0
+            b.bind_cpu_input(f"seqlens_k.{j}", np.array([cached + sizes[j] - 1], dtype=np.int32))
+            b.bind_cpu_input(f"total_sequence_length.{j}", np.array(cached + sizes[j], dtype=np.int32))
+        for name, arr in zip(("logits", *(f"features.{i}" for i in layer_ids)), (out_logits, *out_feats)):
+            b.bind_output(name, "cpu", 0, np.float32, list(arr.shape), arr.ctypes.data)
+        self._batch_session(k).run_with_iobinding(b)
+        at_logit = 0
+        for j, i in enumerate(group):
+            row, at, n = rows[i], int(starts[j]), len(rows[i].ids)
+            logits[i] = torch.from_numpy(out_logits[at_logit:at_logit + row.logits]) if row.logits and asked \
+                else torch.empty(0, self.vocab_size)
+            at_logit += row.logits
+            feats[i] = (torch.from_numpy(np.concatenate([f[0, at:at + n] for f in out_feats], axis=-1))
+                        if layer_ids else None)
+            row.seq.length += n
+
+    def _batch_binding(self, k: int, seqs: list[OrtSequence], layer_ids: tuple[int, ...]):
+        """A binding of the k-sequence graph to these sequences' K/V buffers (and a scratch
+        buffer in the spare places), kept while the buffers last (BINDINGS_KEPT of them,
+        least recently used dropped); outputs as in `_binding`."""
+        key = (k, tuple(s.serial for s in seqs), tuple(s.generation for s in seqs))
+        entry = self._batch_bindings.pop(key, None)
+        if entry is None:
+            b = self._batch_session(k).io_binding()
+            bound = []
+            for j in range(k):
+                values = self._values(seqs[j]) if j < len(seqs) else self._scratch()
+                for (past, present, value) in values:
+                    past, present = f"{past}.{j}", f"{present}.{j}"
+                    b.bind_ortvalue_input(past, value)
+                    bound.append((present, value))
+            entry = [b, bound, None]
+            while len(self._batch_bindings) >= BINDINGS_KEPT:
+                del self._batch_bindings[next(iter(self._batch_bindings))]
+        self._batch_bindings[key] = entry
+        b, bound, layers = entry
+        if layers != layer_ids:
+            b.clear_binding_outputs()
+            for present, value in bound:
+                b.bind_ortvalue_output(present, value)
+            entry[2] = layer_ids
+        return b
+
+    def _values(self, seq: OrtSequence) -> list:
+        """(past name, present name, OrtValue) of each K/V buffer of `seq`, made once per buffer."""
+        if not seq.buffers:
+            seq.buffers = [(f"past_key_values.{layer}.{kind}", f"present.{layer}.{kind}", self._ortvalue(store[layer]))
+                           for layer in range(self.num_layers)
+                           for kind, store in (("key", seq.keys), ("value", seq.values))]
+        return seq.buffers
+
+    def _scratch(self) -> list:
+        """K/V of one row for a spare place of a batch graph (written, never read)."""
+        if self._scratch_values is None:
+            buf = self._scratch_buf = np.zeros((1, self.kv_heads, 1, self.head_dim), dtype=np.float32)
+            self._scratch_values = [(f"past_key_values.{layer}.{kind}", f"present.{layer}.{kind}", self._ortvalue(buf))
+                                    for layer in range(self.num_layers) for kind in ("key", "value")]
+        return self._scratch_values
 
     def _reserve(self, seq: OrtSequence, rows: int) -> None:
         """K/V buffers of at least `rows` rows (grown by doubling, the cached rows kept)."""
@@ -162,7 +298,8 @@ class OrtTarget(BorrowedHead):
         while cap < rows:
             cap *= 2
         shape = (1, self.kv_heads, cap, self.head_dim)
-        seq.binding = None
+        seq.binding, seq.buffers = None, []
+        seq.generation += 1
         for store in (seq.keys, seq.values):
             for layer in range(self.num_layers):
                 new = np.zeros(shape, dtype=np.float32)
@@ -207,10 +344,7 @@ class OrtTarget(BorrowedHead):
         b = seq.binding
         if b is None:
             b = seq.binding = self.session.io_binding()
-            seq.buffers = [(f"past_key_values.{layer}.{kind}", f"present.{layer}.{kind}", self._ortvalue(store[layer]))
-                           for layer in range(self.num_layers)
-                           for kind, store in (("key", seq.keys), ("value", seq.values))]
-            for past, _, value in seq.buffers:
+            for past, _, value in self._values(seq):
                 b.bind_ortvalue_input(past, value)
             seq.bound_layers = None
         if seq.bound_layers != layer_ids:
@@ -221,4 +355,4 @@ class OrtTarget(BorrowedHead):
         return b
 
     def close(self) -> None:
-        self.session = None
+        self.session, self._batch_sessions, self._batch_bindings = None, {}, {}
