@@ -78,14 +78,15 @@ def test_generate_block_rejects_bad_block_sizes(worker_client):
 
 
 def _reference_cut(engine, ids, stops):
-    """The definition: text before the first stop; ids up to the token that completed it."""
-    text = engine.decode(ids)
-    hits = [text.find(s) for s in stops if s in text]
-    if not hits:
-        return ids, text
-    first = min((s for s in stops if s in text), key=text.find)
-    n = next(n for n in range(1, len(ids) + 1) if first in engine.decode(ids[:n]))
-    return ids[:n], text[: min(hits)]
+    """The definition: generation ends with the first token after which a stop string is in
+    the text (a stream cannot wait for a longer stop that would start earlier but is not
+    complete yet); the answer is the text before the earliest stop found there."""
+    for n in range(1, len(ids) + 1):
+        text = engine.decode(ids[:n])
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return ids[:n], text[: min(hits)]
+    return ids, engine.decode(ids)
 
 
 @settings(max_examples=40, deadline=None)
@@ -111,6 +112,17 @@ def test_incremental_stops_match_the_definition(tiny_text_engine, data):
     else:
         assert ids[:cut] == ref_ids
         assert checker.cut(tiny_text_engine.decode(ids[:cut])) == ref_text
+
+
+def test_a_stop_that_completes_first_ends_the_text(tiny_text_engine):
+    """Overlapping stops (found by the property test above): "\n\n" completes before the
+    longer "led\n\np", which starts earlier; the stream ends at the first and cuts there."""
+    text = "def f(x):\n    return x * 2  # doubled\n\nprint(f(3))"
+    ids = tiny_text_engine.tokenizer(text).input_ids
+    checker = StopStrings(tiny_text_engine.decode, ["led\n\np", "\n\n"])
+    cut = next(i + 1 for i, t in enumerate(ids) if checker.feed(t))
+    assert "\n\n" in tiny_text_engine.decode(ids[:cut]) and "\n\np" not in tiny_text_engine.decode(ids[:cut])
+    assert checker.cut(tiny_text_engine.decode(ids[:cut])) == text[: text.index("\n\n")]
 
 
 def test_stop_string_straddling_a_step_boundary(tiny_text_engine):

@@ -20,6 +20,15 @@ The builder's graph is then edited for what the engine needs:
   place (ONNX Runtime's shared past/present buffers) nothing is copied per step;
 - `logit_rows` [R] int64: the flattened [B * S] rows that get logits (a prefill chunk needs
   one, a verify block all), so the LM head runs over those rows only;
+- `attention_rows` [P] int64 and `output_rows` [S] int64: each layer's attention reads the
+  rows `attention_rows` of its input and the layer goes on with rows `output_rows` of
+  attention's output. ONNX Runtime's attention rounds a call of one row differently from a
+  call of several (a matrix-vector path), while the weights' kernels give a row the same
+  numbers however many rows share the call (measured, every `MatMulNBits` of the graph:
+  1 to 16 rows, bit-identical). So a lone row goes through the weights alone and only its
+  attention sees it twice (`attention_rows` [0, 0], `output_rows` [0]; the second copy's
+  K/V lands past the sequence's length and is never read): a plain step reads every weight
+  for one row, not two;
 - `features.{i}` [B, S, H]: the residual stream after decoder layer i (Hugging Face's
   `hidden_states[i + 1]`), every layer, for the drafter's target features.
 
@@ -27,8 +36,9 @@ Beside it, for several requests in one forward, a graph per size k in BATCH_GRAP
 (`model-batch{k}.onnx`, the same weights file): ONNX Runtime's attention takes one sequence
 of several rows only at batch size 1 ("batch_size must be 1 when sequence_length > 1 and
 past context is given"), so these graphs keep the batch size 1 and run the rows of k
-sequences as one row axis through every weight (`row_counts` [k] says how many rows each
-has), cut it before each layer's attention into k parts, one attention node per sequence
+sequences as one row axis through every weight, gather each layer's attention rows
+(`attention_rows`, as above) and cut them into k parts (`row_counts` [k]: how many attention
+rows each sequence has; a spare place gets one row the call already has), one attention node per sequence
 with K/V inputs and lengths of its own (`past_key_values.{layer}.key.{j}`, `seqlens_k.{j}`,
 `total_sequence_length.{j}`, ...), and join the parts again. A sequence's rows meet the
 same kernels as in the one-sequence graph, so its numbers are the same bit for bit.
@@ -49,7 +59,7 @@ from pathlib import Path
 
 from dflash.errors import DFlashError
 
-FORMAT = 3  # bump when the edits below change
+FORMAT = 4  # bump when the edits below change
 MODEL_FILE = "model.onnx"
 BATCH_GRAPHS = (2, 4, 8)  # the sequences per call of the batch graphs (module doc)
 MANIFEST = "dflash-onnx-target.json"
@@ -153,7 +163,19 @@ def edit(src: Path, dst: Path) -> None:
     g.input.extend(keep_inputs)
     g.input.extend([helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch_size"]),
                     helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
-                    helper.make_tensor_value_info("logit_rows", TensorProto.INT64, ["logit_rows"])])
+                    helper.make_tensor_value_info("logit_rows", TensorProto.INT64, ["logit_rows"]),
+                    helper.make_tensor_value_info("attention_rows", TensorProto.INT64, ["attention_rows"]),
+                    helper.make_tensor_value_info("output_rows", TensorProto.INT64, ["sequence_length"])])
+    # 1b. attention's own rows: a lone row is doubled for attention only (module doc)
+    padded = {}
+    for n in gqa:
+        qkv, out = n.input[0], n.output[0]
+        padded[id(n)] = (helper.make_node("Gather", [qkv, "attention_rows"], [f"{qkv}/attention_rows"], axis=1,
+                                          name=f"{n.name}/pad"),
+                         helper.make_node("Gather", [f"{out}/attention_rows", "output_rows"], [out], axis=1,
+                                          name=f"{n.name}/unpad"))
+        n.input[0], n.output[0] = f"{qkv}/attention_rows", f"{out}/attention_rows"
+    nodes = [x for n in nodes for x in ((padded[id(n)][0], n, padded[id(n)][1]) if id(n) in padded else (n,))]
     # 2. logits of the asked rows only: [B, S, H] -> [B * S, H] -> rows -> LM head
     lm = head[0]
     normed = lm.input[0]
@@ -225,7 +247,8 @@ def write_batch_graph(src: Path, dst: Path, k: int) -> None:
     g.node.extend(nodes)
     old = {i.name: i for i in g.input}
     kv_dims = [d.dim_value or d.dim_param for d in old["past_key_values.0.key"].type.tensor_type.shape.dim]
-    inputs = [old["input_ids"], old["logit_rows"], helper.make_tensor_value_info("row_counts", TensorProto.INT64, [k])]
+    inputs = [old[name] for name in ("input_ids", "logit_rows", "attention_rows", "output_rows")]
+    inputs.append(helper.make_tensor_value_info("row_counts", TensorProto.INT64, [k]))
     outputs = [o for o in g.output if not o.name.startswith("present.")]
     for j in range(k):
         inputs += [helper.make_tensor_value_info(f"seqlens_k.{j}", TensorProto.INT32, [1]),

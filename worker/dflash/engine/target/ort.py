@@ -10,25 +10,28 @@ row in full (2.35 and 2.7). Everything the loop needs:
   is copied per step); it grows by doubling, and a rollback only moves the length back;
 - logits of the asked rows only (the graph's `logit_rows` input), features of any layer
   (the graph's `features.{i}` outputs: the residual stream after layer i);
-- exactness whatever shares a step: every call runs one sequence with at least two rows,
-  one path through the kernels, whose numbers for a row do not depend on how many rows
-  the call has (int8 activations are quantized per row, integer sums are exact; measured:
-  bit-identical logits and features for a token decoded alone, in a verify block of any
-  length, or in a prefill chunk). Two things would break it, both measured: a call of one
-  row (attention takes a matrix-vector path that rounds differently, and the int8 network
-  amplifies a 4e-6 difference to ~0.3 in the logits), so a lone row is padded to two; a
-  call of more than 128 rows (another path again: a 129-token prompt prefilled in one call
-  gave logits up to 1.0 away from the same prompt in two chunks, and a different greedy
-  answer when it shared steps with other callers), so longer rows (prompts) run in calls of
-  at most 128 rows;
+- exactness whatever shares a step: a row's numbers do not depend on how many rows share
+  its call (the weights' kernels: int8 activations quantized per row, exact integer sums;
+  measured for every `MatMulNBits` of the graph, 1 to 16 rows, bit-identical; measured
+  end to end: logits and features of a token decoded alone, in a verify block of any
+  length, in a prefill chunk or beside other sequences, bit-identical). Two things would
+  break it, both measured: attention over one row (a matrix-vector path that rounds
+  differently, and the int8 network amplifies a 4e-6 difference to ~0.3 in the logits), so
+  a sequence's attention always sees at least MIN_ROWS rows: a lone row goes through the
+  weights once and through attention twice (the graph's `attention_rows`/`output_rows`;
+  the copy's K/V lands past the sequence's length and is never read); and a call of more
+  than 128 rows (another path again: a 129-token prompt prefilled in one call gave logits
+  up to 1.0 away from the same prompt in two chunks, and a different greedy answer when it
+  shared steps with other callers), so longer rows (prompts) run in calls of at most 128;
 - several requests in one forward: ONNX Runtime's attention takes several sequences in one
   call only with one row each (the one-row path again), so the export's batch graphs
   (dflash.convert.onnx_target.BATCH_GRAPHS) put the rows of up to 8 sequences on one row
   axis through the weights and give each sequence an attention node of its own, on its own
   K/V buffers: one call reads the weights once for all of them, and each sequence's rows
   go through the same kernels as alone (bit-identical, tested). A graph for k sequences
-  runs fewer with one-row stand-ins in the spare places (a 1-token "prompt" on a scratch
-  buffer); the graphs' sessions open at the first call that needs them.
+  runs fewer, its spare attention nodes over one row the call already has (a 1-token
+  "prompt" on a scratch buffer, whose output nothing reads); the graphs' sessions open at
+  the first call that needs them, each with its own copy of the weights (~160 MB).
 The drafter borrows the embedding and the LM head from the Hugging Face folder (fp32).
 
 A different numeric path from the fp32 reference: greedy output is this backend's greedy
@@ -53,7 +56,7 @@ from dflash.errors import DFlashError
 NAME = "ort"
 DEFAULT_CONTEXT = 4096
 INITIAL_CAPACITY = 256  # K/V rows of a sequence at first; doubles as it grows
-MIN_ROWS = 2  # a call of one row takes another kernel path (module doc)
+MIN_ROWS = 2  # attention over one row takes another kernel path (module doc): its rows at least
 MAX_ROWS = 128  # and so does a call of more (module doc): longer rows go in calls of this many
 BINDINGS_KEPT = 8  # batch bindings kept (each holds its sequences' K/V buffers)
 
@@ -81,9 +84,15 @@ class OrtSequence:
     serial: int = field(default_factory=itertools.count().__next__)  # names it in the batch bindings' keys
 
 
+def _attention_rows(n: int, rows: int) -> np.ndarray:
+    """Which of a sequence's n rows its attention reads, `rows` >= n of them: all n, then
+    the last again (only n = 1 is ever padded: MIN_ROWS)."""
+    return np.minimum(np.arange(rows, dtype=np.int64), n - 1)
+
+
 class OrtTarget(BorrowedHead):
     backend = NAME
-    min_rows = MIN_ROWS  # a lone row is padded to two (Target protocol)
+    min_rows = 1  # a lone row goes through the weights alone (only its attention sees it twice)
 
     def __init__(self, model_file: str | Path, hf_dir: str | Path, threads: int | None = None,
                  context: int = DEFAULT_CONTEXT, build: dict | None = None):
@@ -203,21 +212,23 @@ class OrtTarget(BorrowedHead):
 
     def _together(self, rows, group: list[int], layer_ids, logits, feats) -> None:
         """The rows `group` of `rows` (at most max(BATCH_GRAPHS) sequences, at most MAX_ROWS
-        rows in all, each padded to MIN_ROWS) in one call of the smallest batch graph that
-        holds them; its spare places run a one-row stand-in."""
+        rows in all) in one call of the smallest batch graph that holds them. Each sequence's
+        attention sees at least MIN_ROWS rows (a lone row twice, as in `_call`); a spare place
+        of the graph runs attention over one row (the call's first, as a 1-token prompt on a
+        scratch buffer) whose output nothing reads."""
         k = min(b for b in BATCH_GRAPHS if b >= len(group))
         seqs = [rows[i].seq for i in group]
-        sizes = [max(len(rows[i].ids), MIN_ROWS) for i in group] + [1] * (k - len(group))
-        for seq, S in zip(seqs, sizes):
+        sizes = [len(rows[i].ids) for i in group]
+        attn = [max(n, MIN_ROWS) for n in sizes] + [1] * (k - len(group))  # attention rows per place
+        for seq, S in zip(seqs, attn):
             self._reserve(seq, seq.length + S)
-        starts = np.cumsum([0] + sizes)
-        ids = np.zeros((1, int(starts[-1])), dtype=np.int64)
-        want = []
-        for j, i in enumerate(group):
-            row, at = rows[i], int(starts[j])
-            ids[0, at:at + len(row.ids)] = row.ids
-            want.append(np.arange(at + len(row.ids) - row.logits, at + len(row.ids), dtype=np.int64))
-        want = np.concatenate(want)
+        starts, attn_starts = np.cumsum([0] + sizes), np.cumsum([0] + attn)
+        ids = np.array([[t for i in group for t in rows[i].ids]], dtype=np.int64)
+        attention_rows = np.concatenate([starts[j] + _attention_rows(n, attn[j]) for j, n in enumerate(sizes)]
+                                        + [np.zeros(k - len(group), dtype=np.int64)])
+        output_rows = np.concatenate([attn_starts[j] + np.arange(n, dtype=np.int64) for j, n in enumerate(sizes)])
+        want = np.concatenate([np.arange(starts[j] + n - rows[i].logits, starts[j] + n, dtype=np.int64)
+                               for j, (i, n) in enumerate(zip(group, sizes))])
         asked = len(want)
         if not asked:
             want = np.zeros(1, dtype=np.int64)
@@ -225,18 +236,20 @@ class OrtTarget(BorrowedHead):
         out_feats = [np.empty((1, ids.shape[1], self.hidden_size), dtype=np.float32) for _ in layer_ids]
         b = self._batch_binding(k, seqs, layer_ids)
         b.bind_cpu_input("input_ids", ids)
-        b.bind_cpu_input("row_counts", np.array(sizes, dtype=np.int64))
+        b.bind_cpu_input("attention_rows", attention_rows)
+        b.bind_cpu_input("output_rows", output_rows)
+        b.bind_cpu_input("row_counts", np.array(attn, dtype=np.int64))
         b.bind_cpu_input("logit_rows", want)
         for j in range(k):
             cached = seqs[j].length if j < len(seqs) else 0
-            b.bind_cpu_input(f"seqlens_k.{j}", np.array([cached + sizes[j] - 1], dtype=np.int32))
-            b.bind_cpu_input(f"total_sequence_length.{j}", np.array(cached + sizes[j], dtype=np.int32))
+            b.bind_cpu_input(f"seqlens_k.{j}", np.array([cached + attn[j] - 1], dtype=np.int32))
+            b.bind_cpu_input(f"total_sequence_length.{j}", np.array(cached + attn[j], dtype=np.int32))
         for name, arr in zip(("logits", *(f"features.{i}" for i in layer_ids)), (out_logits, *out_feats)):
             b.bind_output(name, "cpu", 0, np.float32, list(arr.shape), arr.ctypes.data)
         self._batch_session(k).run_with_iobinding(b)
         at_logit = 0
         for j, i in enumerate(group):
-            row, at, n = rows[i], int(starts[j]), len(rows[i].ids)
+            row, at, n = rows[i], int(starts[j]), sizes[j]
             logits[i] = torch.from_numpy(out_logits[at_logit:at_logit + row.logits]) if row.logits and asked \
                 else torch.empty(0, self.vocab_size)
             at_logit += row.logits
@@ -310,21 +323,22 @@ class OrtTarget(BorrowedHead):
                     store.append(new)
 
     def _call(self, row: TargetRow, layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One ONNX Runtime run: the row's ids after its cached tokens (padded to MIN_ROWS;
-        pad rows land past the sequence's length and are never read)."""
+        """One ONNX Runtime run: the row's ids after its cached tokens (attention sees at
+        least MIN_ROWS rows: a lone row twice, the copy's K/V past the sequence's length,
+        never read)."""
         seq, n = row.seq, len(row.ids)
         S = max(n, MIN_ROWS)
         total = seq.length + S
         self._reserve(seq, total)
-        ids = np.zeros((1, S), dtype=np.int64)
-        ids[0, :n] = row.ids
         want = np.arange(n - row.logits, n, dtype=np.int64) if row.logits else np.zeros(1, dtype=np.int64)
         # Outputs land in arrays of ours (no copy, no wrapper per K/V buffer): logits of the
         # asked rows, each asked layer's residual stream of the call's rows.
         logits = np.empty((len(want), self.vocab_size), dtype=np.float32)
-        feats = [np.empty((1, S, self.hidden_size), dtype=np.float32) for _ in layer_ids]
+        feats = [np.empty((1, n, self.hidden_size), dtype=np.float32) for _ in layer_ids]
         b = self._binding(seq, layer_ids)
-        b.bind_cpu_input("input_ids", ids)
+        b.bind_cpu_input("input_ids", np.array([row.ids], dtype=np.int64))
+        b.bind_cpu_input("attention_rows", _attention_rows(n, S))
+        b.bind_cpu_input("output_rows", np.arange(n, dtype=np.int64))
         b.bind_cpu_input("seqlens_k", np.array([total - 1], dtype=np.int32))
         b.bind_cpu_input("total_sequence_length", np.array(total, dtype=np.int32))
         b.bind_cpu_input("logit_rows", want)
@@ -332,7 +346,7 @@ class OrtTarget(BorrowedHead):
             b.bind_output(name, "cpu", 0, np.float32, list(arr.shape), arr.ctypes.data)
         self.session.run_with_iobinding(b)
         out_logits = torch.from_numpy(logits) if row.logits else torch.empty(0, self.vocab_size)
-        out_feats = torch.from_numpy(np.concatenate([f[0, :n] for f in feats], axis=-1)) if layer_ids else None
+        out_feats = torch.from_numpy(np.concatenate([f[0] for f in feats], axis=-1)) if layer_ids else None
         return out_logits, out_feats
 
     def _binding(self, seq: OrtSequence, layer_ids: tuple[int, ...]):
