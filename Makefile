@@ -58,8 +58,9 @@ bench: setup
 	$(BIN)/python -m dflash.bench.worker_overhead --out bench-out
 	$(BIN)/python -m dflash.bench.sql_bench --n 30 --rows 20 --tokens 32 --out bench-out
 
-# The GPU check (one H200 or other CUDA device, under 10 minutes): bench, step profile and load
-# through the socket, in bf16; tables into docs/benchmarks.md's gpu-check section.
+# The GPU check (one H200 or other CUDA device): bench, step profile and load through the
+# socket, in bf16; tables into docs/benchmarks.md's gpu-check section. About 20 minutes on an
+# H200 at the eager path's speed; `python -m dflash.bench.gpu_check --quick` fits 15 minutes.
 # gpu-check-dry runs the same script on the CPU with tiny sizes, where there is no GPU.
 gpu-check: setup
 	$(BIN)/python -m dflash.bench.gpu_check --out bench-out/gpu-check --readme docs/benchmarks.md

@@ -9,9 +9,11 @@ Three parts, each timed, all in bf16 on `cuda` with the default models (or --tar
 3. the load benchmark through the worker socket (dflash.bench.load), concurrency 1 to 64,
    64 requests of 64 tokens.
 Writes DIR/gpu_check.json (every part's results and the machine), DIR/gpu_check.md (the
-tables) and, with --readme, the `gpu-check` section of that file. Sized to finish in under
-10 minutes on one H200. `--dry-run` runs the same code on the CPU in fp32 with tiny sizes
-(2 prompts, 8 tokens, concurrency 1 and 2), to check the script where there is no GPU.
+tables) and, with --readme, the `gpu-check` section of that file. The full sizes would take
+about 20 minutes on an H200 (estimated from the 2026-12-04 run, a plain step 30 ms there);
+`--quick` (8 prompts per suite; load at 1, 8 and 64 callers, 16 requests of 32 tokens) fits
+a 15-minute lease. `--dry-run` runs the same code on the CPU in fp32 with tiny sizes (2
+prompts, 8 tokens, concurrency 1 and 2), to check the script where there is no GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from pathlib import Path
 
 FULL = {"device": "cuda", "dtype": "bfloat16", "limit": 20, "max_new": 128, "concurrency": "1,2,4,8,16,32,64",
         "requests": 64, "load_tokens": 64, "repeats": 7}
+# --quick: the same parts sized for a lease of 15 device minutes, the models' transfer included
+# (2026-12-04 on an H200 a plain step took 30 ms: FULL would need about 20 minutes).
+QUICK = {**FULL, "limit": 8, "concurrency": "1,8,64", "requests": 16, "load_tokens": 32, "repeats": 5}
 DRY = {"device": "cpu", "dtype": "float32", "limit": 2, "max_new": 8, "concurrency": "1,2", "requests": 4,
        "load_tokens": 8, "repeats": 1}
 METHODS = "ar,dflash-auto,dflash-16"
@@ -99,11 +104,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench-out/gpu-check")
     ap.add_argument("--readme", help="write the tables into this file's gpu-check section")
     ap.add_argument("--dry-run", action="store_true", help="CPU, fp32, tiny sizes: check the script without a GPU")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes for a 15-minute lease (QUICK)")
     ap.add_argument("--target")
     ap.add_argument("--drafter")
     ap.add_argument("--threads", type=int)
     args = ap.parse_args(argv)
-    sizes = DRY if args.dry_run else FULL
+    sizes = DRY if args.dry_run else QUICK if args.quick else FULL
     if not args.dry_run:
         import torch
 
