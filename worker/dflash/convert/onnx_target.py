@@ -57,20 +57,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dflash.engine.target.ort_graphs import BATCH_GRAPHS, MODEL_FILE, batch_file
 from dflash.errors import DFlashError
 
 FORMAT = 4  # bump when the edits below change
-MODEL_FILE = "model.onnx"
-BATCH_GRAPHS = (2, 4, 8)  # the sequences per call of the batch graphs (module doc)
 MANIFEST = "dflash-onnx-target.json"
 PRECISION = "int8"
 BLOCK_SIZE = 64  # weights (and int8 activations) quantized per block of this many (module doc)
 BUILD = {"format": FORMAT, "precision": PRECISION, "block_size": BLOCK_SIZE}  # what an export is made as
-
-
-def batch_file(k: int) -> str:
-    """The graph that runs k sequences in one call (module doc), beside MODEL_FILE."""
-    return f"model-batch{k}.onnx"
 
 
 def builder_version() -> str | None:
