@@ -36,7 +36,7 @@ RUN /opt/venv/bin/pip install -q --no-cache-dir --no-index --find-links /wheels 
 # Only the modules the conversion needs, so that other code changes keep this layer cached:
 # the Hugging Face folder, and its int8 ONNX export for the ort target backend (ONNX Runtime
 # GenAI's model builder is a build-time package here, like the GGUF one).
-COPY worker/dflash/__init__.py worker/dflash/errors.py worker/dflash/model_files.py /build/dflash/
+COPY worker/dflash/__init__.py worker/dflash/errors.py worker/dflash/model_files.py worker/dflash/onnx_export_files.py /build/dflash/
 COPY worker/dflash/convert/__init__.py worker/dflash/convert/onnx_target.py /build/dflash/convert/
 RUN cd /build && PG_DFLASH_CACHE=/models TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 /opt/venv/bin/python -c \
     "from dflash.model_files import ensure_default_target, onnx_export_dir; \

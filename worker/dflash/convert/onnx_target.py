@@ -57,7 +57,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dflash.engine.target.ort_graphs import BATCH_GRAPHS, MODEL_FILE, batch_file
+from dflash.onnx_export_files import BATCH_GRAPHS, MODEL_FILE, batch_file
 from dflash.errors import DFlashError
 
 FORMAT = 4  # bump when the edits below change

@@ -25,7 +25,7 @@ row in full (2.35 and 2.7). Everything the loop needs:
   shared steps with other callers), so longer rows (prompts) run in calls of at most 128;
 - several requests in one forward: ONNX Runtime's attention takes several sequences in one
   call only with one row each (the one-row path again), so the export's batch graphs
-  (dflash.engine.target.ort_graphs.BATCH_GRAPHS) put the rows of up to 8 sequences on one row
+  (dflash.onnx_export_files.BATCH_GRAPHS) put the rows of up to 8 sequences on one row
   axis through the weights and give each sequence an attention node of its own, on its own
   K/V buffers: one call reads the weights once for all of them, and each sequence's rows
   go through the same kernels as alone (bit-identical, tested). A graph for k sequences
@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from dflash.engine.target.hf_files import BorrowedHead, read_hf_side
-from dflash.engine.target.ort_graphs import BATCH_GRAPHS, batch_file
+from dflash.onnx_export_files import BATCH_GRAPHS, batch_file
 from dflash.engine.target.protocol import TargetOutput, TargetRow
 from dflash.errors import DFlashError
 

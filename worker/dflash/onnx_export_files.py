@@ -1,6 +1,7 @@
 """The files of the ort backend's export: what dflash.convert.onnx_target writes and
-dflash.engine.target.ort runs (defined here, below both, so the runtime need not import
-the converter)."""
+dflash.engine.target.ort runs. In the core layer, below both, so the runtime need not import
+the converter, and the worker image's model stage (docker/worker.Dockerfile) copies one small
+file more rather than the engine."""
 
 MODEL_FILE = "model.onnx"
 BATCH_GRAPHS = (2, 4, 8)  # the sequences per call of the batch graphs (dflash.convert.onnx_target)
