@@ -1,6 +1,6 @@
 """The GPU check: one command that measures serving on a CUDA device (`make gpu-check`).
 
-    python -m dflash.bench.gpu_check [--out DIR] [--readme FILE] [--dry-run]
+    python -m dflash.bench.gpu_check [--out DIR] [--readme FILE] [--dry-run | --quick]
 
 Three parts, each timed, all in bf16 on `cuda` with the default models (or --target/--drafter):
 1. `dflash bench` with methods ar, dflash-auto and dflash-16 on 20 prompts per suite
