@@ -1,8 +1,8 @@
 """The package's import graph points one way and has no circle.
 
 Every `import` in worker/dflash counts, the ones inside functions too (a lazy import is still
-an arrow). Layers, lowest first: the core (errors, error codes, options, prompt suites, the ort export's file names), the
-engine, the embedder and the local cluster, conversion, the model files, the remote engine
+an arrow). Layers, lowest first: the core (errors, error codes, options, prompt suites, the
+ort export's file names), the engine, the embedder and the local cluster, conversion, the model files, the remote engine
 (an inference server behind the engine's interface), loading models into an engine, training, serving, the bench and the demo, the CLI. A module may import its
 own layer or a lower one, never a higher one; and no set of modules imports itself in a
 circle (checked on modules, with a package's __init__ as its own node).

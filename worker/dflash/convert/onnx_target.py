@@ -57,8 +57,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dflash.onnx_export_files import BATCH_GRAPHS, MODEL_FILE, batch_file
 from dflash.errors import DFlashError
+from dflash.onnx_export_files import BATCH_GRAPHS, MODEL_FILE, batch_file
 
 FORMAT = 4  # bump when the edits below change
 MANIFEST = "dflash-onnx-target.json"

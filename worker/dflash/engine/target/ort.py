@@ -49,9 +49,9 @@ import numpy as np
 import torch
 
 from dflash.engine.target.hf_files import BorrowedHead, read_hf_side
-from dflash.onnx_export_files import BATCH_GRAPHS, batch_file
 from dflash.engine.target.protocol import TargetOutput, TargetRow
 from dflash.errors import DFlashError
+from dflash.onnx_export_files import BATCH_GRAPHS, batch_file
 
 NAME = "ort"
 DEFAULT_CONTEXT = 4096
