@@ -1,4 +1,6 @@
-"""The `dflash` CLI contract other parts rely on (run as a subprocess, like a user)."""
+"""The `dflash` CLI contract other parts rely on: run as a subprocess, like a user (the JSON
+contract, exit statuses, stderr); options that only change what a run does are run through
+the command's own `main` in this process (no second start-up of Python, torch and models)."""
 
 import json
 import os
@@ -16,6 +18,17 @@ def dflash(*args, env=None):
         timeout=600,
         env={**os.environ, **(env or {})},
     )
+
+
+def generate_here(capsys, *args) -> dict:
+    """`dflash generate ARGS --json` through the command's own main, in this process."""
+    from dflash import cli
+
+    capsys.readouterr()
+    rc = cli.main(["generate", *args, "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    return json.loads(out.out)
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +54,8 @@ def test_generate_json_contract(generated):
     assert out["tau"] == pytest.approx(sum(s["accepted"] + 1 for s in out["steps"]) / len(out["steps"]))
 
 
-def test_a_fixed_block_size_verifies_that_many_every_step(smol_dir):
-    proc = dflash("generate", "--prompt", "Name a color.", "--chat", "--max-new-tokens", "6", "--block-size", "16",
-                  "--json")
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+def test_a_fixed_block_size_verifies_that_many_every_step(smol_dir, capsys):
+    out = generate_here(capsys, "--prompt", "Name a color.", "--chat", "--max-new-tokens", "6", "--block-size", "16")
     assert out["block_policy"] == "fixed" and out["verify_length_histogram"] == {"16": out["num_steps"]}
     assert all(len(s["draft_ids"]) == 15 for s in out["steps"])
 
@@ -56,10 +66,8 @@ def test_the_shipped_default_drafter_is_used(generated):
     assert "random-weight drafter" not in generated.stderr
 
 
-def test_input_ids_and_block_size_one(smol_dir):
-    proc = dflash("generate", "--input-ids", "504,2365,6354", "--max-new-tokens", "4", "--block-size", "1", "--json")
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+def test_input_ids_and_block_size_one(smol_dir, capsys):
+    out = generate_here(capsys, "--input-ids", "504,2365,6354", "--max-new-tokens", "4", "--block-size", "1")
     assert out["block_size"] == 1 and all(s["draft_ids"] == [] for s in out["steps"])
     assert out["prompt_ids"] == [504, 2365, 6354] and len(out["output_ids"]) == 4
 

@@ -96,7 +96,22 @@ def test_the_drafter_runtime_is_timed_with_the_verify_that_follows(tiny_engine, 
         calls.append(sum(len(r.ids) for r in rows))
         return forward(rows, layers)
 
+    from dflash.engine.proposers.dflash import DFlashProposer
+
+    drafted = []
+    draft_logits = DFlashProposer.draft_logits
+
+    def spy_draft(self, jobs):
+        drafted.append((self.int8, self.dtype, self.runtime))
+        return draft_logits(self, jobs)
+
     monkeypatch.setattr(target, "forward_batch", spy)
+    monkeypatch.setattr(DFlashProposer, "draft_logits", spy_draft)
     choice = fastest_draft(target, tiny_engine.drafter, None, repeats=3)
-    assert choice in draft_candidates(target)
-    assert calls.count(4) == 3 * len(draft_candidates(target))  # a verify of 4 after every timed draft
+    candidates = draft_candidates(target)
+    assert choice in candidates
+    assert calls.count(4) == 3 * len(candidates)  # a verify of 4 after every timed draft
+    # Round by round, every candidate once in turn: a slow moment of the machine costs each
+    # candidate one sample, never one candidate all of its samples.
+    kinds = [(d == torch.qint8, torch.float32 if d == torch.qint8 else d, r) for d, r in candidates]
+    assert drafted == kinds * 3

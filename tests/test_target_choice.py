@@ -83,6 +83,40 @@ def test_the_choice_is_measured_cached_and_spot_checked(tmp_path, two_tiny_backe
     assert third.target.selection["how"] == "measured at start" and "slow_plain" in built
 
 
+def test_a_candidate_whose_plain_step_rules_it_out_is_passed_over(tmp_path, two_tiny_backends, monkeypatch):
+    """Once one backend is priced, another whose plain step alone puts its best possible
+    request beyond SLACK times the best so far is neither built into an engine (no draft
+    choice) nor priced in full; `status` says why. One just inside the bound is priced."""
+    from dflash.loading import _Builder, fastest_engine
+
+    builders, prices, built = two_tiny_backends
+    best = min(fastest.request_seconds(p, fastest.default_acceptance()) for p in prices.values())
+    bound_per_plain_s = fastest.fastest_possible_s(1.0, fastest.default_acceptance())
+    plain = {"hf": 1.01 * fastest.SLACK * best / bound_per_plain_s}  # just beyond: passed over
+    make_tiny = builders["slow_plain"].make
+
+    def hf():
+        t = make_tiny()
+        built[-1] = t.backend = "hf"
+        return t
+
+    monkeypatch.setattr(fastest, "step_seconds", lambda target, layers, repeats=5: plain.get(target.backend, 0.001))
+    priced = []
+    monkeypatch.setattr("dflash.engine.costs.spot_prices",
+                        lambda engine: priced.append(engine.target.backend) or prices.get(engine.target.backend,
+                                                                                           prices["slow_plain"]))
+    engine = fastest_engine({"hf": _Builder(hf, None), **builders}, _engine_over, "tiny", tmp_path)
+    sel = engine.target.selection
+    assert engine.target.backend == "fast_verify" and sorted(priced) == ["fast_verify", "slow_plain"]
+    assert "hf" in built and set(sel["prices_ms"]) == {"fast_verify", "slow_plain"}
+    assert "a request takes at least" in sel["passed_over"]["hf"]
+    # Just inside the bound it is priced in full (and loses on its prices).
+    plain["hf"] = 0.99 * fastest.SLACK * best / bound_per_plain_s
+    priced.clear()
+    engine = fastest_engine({"hf": _Builder(hf, None), **builders}, _engine_over, "tiny", tmp_path / "again")
+    assert "hf" in priced and "passed_over" not in engine.target.selection
+
+
 def test_when_no_candidate_can_run_the_drafter_the_first_reason_is_the_error(tmp_path, two_tiny_backends):
     """Under auto a candidate that fails to build is skipped; when all fail (a drafter that
     fits no backend's target) the start fails with the first one's clean error."""
@@ -116,7 +150,8 @@ def test_a_backend_asked_for_that_cannot_run_is_a_clean_error(smol_dir):
 
 @pytest.mark.slow
 def test_auto_on_this_machine_takes_a_measured_backend(tmp_path):
-    """The real thing: every backend that runs here measured with the shipped drafter."""
+    """The real thing: every backend that runs here measured with the shipped drafter (or
+    passed over: on a CPU the transformers reference's plain step rules it out)."""
     from dflash.loading import load_engine
     from dflash.model_files import default_drafter_dir, default_target_gguf, ensure_default_target
 
@@ -125,8 +160,10 @@ def test_auto_on_this_machine_takes_a_measured_backend(tmp_path):
     sel = engine.target.selection
     times = sel["request_s"]  # a typical request's time: the choice is the shortest
     assert sel["how"] == "measured at start" and engine.target.backend == min(times, key=times.get)
-    assert {"hf", "llamacpp", "ort"} >= set(times) and "hf" in times
+    assert {"hf", "llamacpp", "ort"} >= set(times) and len(times) >= 2
     assert set(sel["expected_tokens_per_s"]) == set(times)
+    # Every candidate priced, or passed over for a plain step that rules it out.
+    assert set(times) | set(sel.get("passed_over", {})) == {"hf", "llamacpp", "ort"}
 
 
 def test_backends_are_priced_at_a_typical_requests_context(monkeypatch):

@@ -176,7 +176,8 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
     """The engine over the target backend that decodes fastest here with block length auto:
     per backend a plain step, verify blocks of 2 and 4 (with the drafter's features) and the
     drafter's price for such blocks, weighed by the policy's default acceptance prior
-    (dflash.engine.target.fastest.expected_rate). Measured once per machine, thread count
+    (dflash.engine.target.fastest.expected_rate); a candidate whose plain step alone rules it
+    out is passed over (fastest.cannot_win). Measured once per machine, thread count
     and versions, cached beside the cost curves; at a later start the chosen backend's plain
     step is timed again, and a choice whose step got STALE times slower is measured afresh."""
     import torch
@@ -198,20 +199,30 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
                                        "spot-checked", **fastest.summary(record)}
             return engine
         del engine
-    measured, same, failed = {}, {}, {}
-    for name, build in builders.items():
+    measured, same, failed, passed_over = {}, {}, {}, {}
+    acceptance = fastest.default_acceptance()
+    # The reference last: on a CPU the likeliest to lose, so the one a plain step may rule out.
+    for name in sorted(builders, key=lambda n: n == "hf"):
         try:
-            engine = engine_over(build(), **same)
+            target = builders[name]()
+            if measured:
+                plain = fastest.step_seconds(target, (), repeats=3)
+                best = min(fastest.request_seconds(p, acceptance) for p in measured.values())
+                if fastest.cannot_win(plain, best, acceptance):
+                    passed_over[name] = plain
+                    del target
+                    continue
+            engine = engine_over(target, **same)
         except DFlashError as exc:  # a candidate that cannot load is not chosen (asked for, it is an error)
             failed[name] = exc
             continue
         same = {"draft_dtype": engine.draft_dtype}  # as the first backend measured it
         measured[name] = spot_prices(engine)
-        del engine
+        del engine, target
     if not measured:  # none can run it (a drafter that fits no backend's target): the first one's reason
         raise next(iter(failed.values()))
     failed = {name: exc.message for name, exc in failed.items()}
-    record = fastest.remember(cost_dir, key, measured)
+    record = fastest.remember(cost_dir, key, measured, passed_over)
     record["failed"] = failed
     engine = engine_over(builders[record["choice"]](), **same)
     engine.target.selection = {"backend": engine.target.backend, "how": "measured at start", **fastest.summary(record)}

