@@ -13,7 +13,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "worker"
 LAYERS = [
-    ("dflash", "dflash.errors", "dflash.error_codes", "dflash.options", "dflash.suites", "dflash.onnx_export_files"),
+    ("dflash", "dflash.errors", "dflash.error_codes", "dflash.options", "dflash.suites", "dflash.onnx_export_files",
+     "dflash.processes"),
     ("dflash.engine",),
     ("dflash.embed", "dflash.localpg"),
     ("dflash.convert",),

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from dflash.errors import DFlashError
 from dflash.localpg import free_port
+from dflash.processes import stop
 
 SDIST = "llama-cpp-python"
 VERSION = "0.3.36"
@@ -299,13 +300,7 @@ class LlamaServer:
             time.sleep(0.05)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc, grace_s=30)
         self.log.close()
 
 

@@ -31,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 
+from dflash.processes import stop
 from dflash.serve.client import Client, WorkerError
 
 
@@ -285,14 +286,8 @@ def main(argv=None) -> int:
         finally:
             if restore is not None:
                 restore()
-            if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:  # seen on CUDA: the run's numbers must not go with it
-                    print("the worker did not stop within 60 s of SIGTERM: killed", file=sys.stderr)
-                    proc.kill()
-                    proc.wait()
+            if proc is not None and stop(proc, grace_s=60):  # seen on CUDA: the run's numbers must not go with it
+                print("the worker did not stop within 60 s of SIGTERM: killed", file=sys.stderr)
     top2_gaps([d for r in runs for d in r["differences"]], args.target)
     for r in runs:
         r.pop("_results")

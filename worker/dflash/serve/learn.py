@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash.errors import DFlashError
+from dflash.processes import stop
 from dflash.train.from_database import Filters, Settings
 
 log = logging.getLogger("dflash.learn")
@@ -166,11 +167,7 @@ class Learner:
         proc = self.proc
         if proc is not None and proc.poll() is None:
             os.kill(proc.pid, signal.SIGCONT)
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc, grace_s=30)
 
 
 def learner_from_args(worker, args, target_dir: Path) -> Learner:
