@@ -27,7 +27,7 @@ def onnx_file(smol_dir):
 
 @pytest.fixture(scope="module")
 def ort_target(onnx_file, smol_dir):
-    return ort.OrtTarget(onnx_file, smol_dir, threads=2, context=1024, build=onnx_target.BUILD)
+    return ort.OrtTarget(onnx_file, smol_dir, threads=2, context=1024)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,8 @@ def test_the_export_is_made_as_its_build_says(onnx_file):
         assert files == {onnx_file.name + ".data"}
     manifest = json.loads((onnx_file.parent / onnx_target.MANIFEST).read_text())
     assert {k: manifest["key"][k] for k in onnx_target.BUILD} == onnx_target.BUILD
+    # The runtime reads what the graph was made as from that manifest (the Target's `build`).
+    assert ort.read_build(onnx_file.parent) == onnx_target.BUILD and ort.read_build(onnx_file.parent.parent) is None
 
 
 def test_the_cost_curve_key_names_the_build(ort_engine):

@@ -132,7 +132,7 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     """Every target backend's builder for this target, device and dtype (see _Builder)."""
     import torch
 
-    from dflash.convert.onnx_target import BUILD, builder_version, ensure_export, is_current
+    from dflash.convert.onnx_target import builder_version, ensure_export, is_current
     from dflash.engine.dtypes import DTYPES
     from dflash.engine.target import llamacpp, ort
     from dflash.engine.target.hf import HFTarget
@@ -149,8 +149,7 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
         return llamacpp.LlamaCppTarget(gguf, target_dir, threads=torch.get_num_threads())
 
     def onnx_target():
-        return ort.OrtTarget(ensure_export(target_dir, export, quiet=False), target_dir, threads=torch.get_num_threads(),
-                             build=BUILD)
+        return ort.OrtTarget(ensure_export(target_dir, export, quiet=False), target_dir, threads=torch.get_num_threads())
 
     return {
         "hf": _Builder(hf, None),

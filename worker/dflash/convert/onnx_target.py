@@ -58,10 +58,9 @@ import tempfile
 from pathlib import Path
 
 from dflash.errors import DFlashError
-from dflash.onnx_export_files import BATCH_GRAPHS, MODEL_FILE, batch_file
+from dflash.onnx_export_files import BATCH_GRAPHS, MANIFEST, MODEL_FILE, batch_file
 
 FORMAT = 4  # bump when the edits below change
-MANIFEST = "dflash-onnx-target.json"
 PRECISION = "int8"
 BLOCK_SIZE = 64  # weights (and int8 activations) quantized per block of this many (module doc)
 BUILD = {"format": FORMAT, "precision": PRECISION, "block_size": BLOCK_SIZE}  # what an export is made as

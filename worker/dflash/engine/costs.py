@@ -229,7 +229,7 @@ def curve_key(engine, max_batch: int = 1) -> dict:
         "torch": torch.__version__,
         "dflash": __version__,
         "backend": getattr(target, "backend", "hf"),
-        "target_build": getattr(target, "build", None),
+        "target_build": target.build,
         "max_batch": max_batch,
         "format": CURVE_FORMAT,
     }

@@ -516,7 +516,7 @@ def cached_draft_choice(directory: Path | None, target: Target, drafter, vocab, 
     key = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "device": str(target.device),
            "drafter": sha256 or "unversioned", "vocab": None if vocab is None else int(vocab.numel()),
            "only": None if only is None else dtype_name(only), "versions": runtime_versions(),
-           "target": getattr(target, "backend", "hf"), "target_build": getattr(target, "build", None),
+           "target": getattr(target, "backend", "hf"), "target_build": target.build,
            "timed": "draft and the verify after it"}  # what fastest_draft times (older choices timed the draft alone)
     path = None
     if directory is not None and sha256 is not None:

@@ -51,7 +51,7 @@ import torch
 from dflash.engine.target.hf_files import BorrowedHead, read_hf_side
 from dflash.engine.target.protocol import TargetOutput, TargetRow
 from dflash.errors import DFlashError
-from dflash.onnx_export_files import BATCH_GRAPHS, batch_file
+from dflash.onnx_export_files import BATCH_GRAPHS, batch_file, read_build
 
 NAME = "ort"
 DEFAULT_CONTEXT = 4096
@@ -95,9 +95,9 @@ class OrtTarget(BorrowedHead):
     min_rows = 1  # a lone row goes through the weights alone (only its attention sees it twice)
 
     def __init__(self, model_file: str | Path, hf_dir: str | Path, threads: int | None = None,
-                 context: int = DEFAULT_CONTEXT, build: dict | None = None):
-        """`build`: what the graph was exported as (dflash.convert.onnx_target.BUILD), the
-        `build` of the Target protocol."""
+                 context: int = DEFAULT_CONTEXT):
+        """The Target protocol's `build` (what the graph was exported as: format, precision,
+        block size) is read from the export's manifest beside `model_file`."""
         import onnxruntime as ort
 
         model_file, hf_dir = Path(model_file), Path(hf_dir)
@@ -126,7 +126,7 @@ class OrtTarget(BorrowedHead):
         self.kv_heads = int(kv_shape[1])
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.hidden_size = int(cfg.hidden_size)
-        self.model_file, self.hf_dir, self.build = model_file, hf_dir, build
+        self.model_file, self.hf_dir, self.build = model_file, hf_dir, read_build(model_file.parent)
         self.name = hf_dir.name
         self.threads = opts.intra_op_num_threads
         self.context_length = min(int(getattr(cfg, "max_position_embeddings", 2048)), context)
