@@ -118,19 +118,34 @@ def test_a_forward_longer_than_one_llama_batch_is_split(lc_target):
     t.free(ref)
 
 
+@pytest.fixture(scope="module")
+def plain_output(lc_engine):
+    """plain_output(prompt, n): the backend's own greedy output (block size 1, alone), made
+    once per module."""
+    from dflash.engine.engine import GenerationRequest
+
+    made = {}
+
+    def output(prompt: str, n: int) -> list[int]:
+        if (prompt, n) not in made:
+            req = GenerationRequest(prompt=prompt, max_new_tokens=n, block_size=1, chat=True)
+            made[prompt, n] = lc_engine.generate(req).output_ids
+        return made[prompt, n]
+
+    return output
+
+
 @pytest.mark.parametrize("block", [16, None])
-def test_greedy_with_drafts_is_the_backends_plain_greedy_output(lc_engine, block):
+def test_greedy_with_drafts_is_the_backends_plain_greedy_output(lc_engine, plain_output, block):
     from dflash.engine.engine import GenerationRequest
 
     for prompt in ("Write a Python function that reverses a string.", "What is a database index?"):
-        plain = lc_engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=40, block_size=1, chat=True))
         got = lc_engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=40, block_size=block, chat=True))
-        assert got.output_ids == plain.output_ids, (prompt, block)
+        assert got.output_ids == plain_output(prompt, 40), (prompt, block)
     batch = lc_engine.generate_many([GenerationRequest(prompt=p, max_new_tokens=24, block_size=block, chat=True)
                                      for p in ("Name three colours.", "Count to five.", "Say hello.")])
     for res, p in zip(batch, ("Name three colours.", "Count to five.", "Say hello.")):
-        alone = lc_engine.generate(GenerationRequest(prompt=p, max_new_tokens=24, block_size=1, chat=True))
-        assert res.output_ids == alone.output_ids
+        assert res.output_ids == plain_output(p, 24)
 
 
 def test_bad_model_files_are_clean_errors_naming_the_file(tmp_path, smol_dir, lc_target):
