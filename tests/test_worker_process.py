@@ -14,15 +14,15 @@ from dflash.serve.client import Client, WorkerError
 def test_serve_client_and_sigterm_drain(tmp_path, smol_dir):
     sock = tmp_path / "worker.sock"
     log = open(tmp_path / "worker.log", "w+")
-    # --max-active 2: at start the worker measures its cost curve for batches up to it, on the
-    # real model; at the default 16 that measurement is most of this test's time and proves
-    # nothing more here (measuring by batch: tests/test_batch.py; a worker measures before it
-    # serves, at the default batch: tests/test_worker.py). Threads: torch's choice, as in
-    # tests/test_cli.py, whose first `dflash generate` measured the target backends into this
-    # session's cost folder (DFLASH_COST_DIR, inherited): the choice is read from there (and
-    # spot-checked), not measured again (measuring and choosing: tests/test_target_choice.py).
+    # --max-active 1: at start the worker needs the cost curve for batches up to it, on the
+    # real model; for one request that is the curve tests/test_cli.py's first `dflash generate`
+    # measured into this session's cost folder (DFLASH_COST_DIR, inherited; threads: torch's
+    # choice, as there), read and spot-checked here, not measured again, and so is the choice
+    # of target backend (measuring by batch: tests/test_batch.py; a worker measures before it
+    # serves, at the default batch: tests/test_worker.py; measuring and choosing a backend:
+    # tests/test_target_choice.py).
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash.cli", "serve", "--socket", str(sock), "--max-active", "2"],
+        [sys.executable, "-m", "dflash.cli", "serve", "--socket", str(sock), "--max-active", "1"],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
