@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
 from dflash.localpg import start_local_cluster
+from dflash.processes import stop
 
 
 def run_demo(prompt: str, max_new_tokens: int = 64) -> int:
@@ -58,7 +58,6 @@ def run_demo(prompt: str, max_new_tokens: int = 64) -> int:
                 " FROM dflash_recall('databases', 1)")
         return 0
     finally:
-        if worker is not None and worker.poll() is None:
-            worker.send_signal(signal.SIGTERM)
-            worker.wait(timeout=60)
+        if worker is not None:
+            stop(worker, grace_s=60)
         server.stop()

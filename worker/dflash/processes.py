@@ -1,6 +1,6 @@
 """Stopping a child process: SIGTERM, a grace period, then SIGKILL, and reaping it. One place
-for what the learner (serve/learn.py), the llama.cpp bench's server and the load bench's
-worker each do when they are done with a process."""
+for what the learner (serve/learn.py), `dflash demo`'s worker, the llama.cpp bench's server
+and the load bench's worker each do when they are done with a process."""
 
 from __future__ import annotations
 
