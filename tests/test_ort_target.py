@@ -8,7 +8,7 @@ backend's plain greedy output. Bad model files are clean errors naming the file.
 import pytest
 import torch
 
-from dflash.convert import onnx_target
+from dflash.convert import onnx_q41, onnx_target
 from dflash.engine.target import ort
 from dflash.engine.target.protocol import TargetRow
 from dflash.errors import DFlashError
@@ -18,11 +18,15 @@ pytestmark = pytest.mark.skipif(not ort.available() or onnx_target.builder_versi
 LAYERS = (1, 9, 18, 27)  # the default drafter's
 
 
-@pytest.fixture(scope="module")
-def onnx_file(smol_dir):
+@pytest.fixture(scope="module", params=["int8", onnx_q41.PRECISION])
+def onnx_file(smol_dir, request):
+    """Each build of the export: int8, and q4_1 (the shipped Q4_1 weights exactly, whose 4-bit
+    kernels take a lone row through the weights twice: dflash.convert.onnx_q41)."""
     from dflash.model_files import onnx_export_dir
 
-    return onnx_target.ensure_export(smol_dir, onnx_export_dir(smol_dir))
+    if request.param == "int8":
+        return onnx_target.ensure_export(smol_dir, onnx_export_dir(smol_dir))
+    return onnx_q41.ensure_export(smol_dir, onnx_export_dir(smol_dir, request.param), onnx_export_dir(smol_dir))
 
 
 @pytest.fixture(scope="module")
@@ -47,26 +51,42 @@ def _ids(n, offset=0):
     return [(1000 + 37 * i + offset) % 49000 for i in range(n)]
 
 
+def _module(onnx_file):
+    """The converter that made this build."""
+    return onnx_q41 if onnx_file.parent.name.endswith(onnx_q41.PRECISION) else onnx_target
+
+
 def test_the_export_is_edited_for_the_engine(onnx_file, smol_dir):
     import onnxruntime as rt
 
     names = {i.name for i in rt.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"]).get_inputs()}
     assert {"seqlens_k", "total_sequence_length", "logit_rows"} <= names and "attention_mask" not in names
-    assert onnx_target.is_current(smol_dir, onnx_file.parent)
-    assert onnx_target.ensure_export(smol_dir, onnx_file.parent) == onnx_file  # cached: not exported again
+    assert _module(onnx_file).is_current(smol_dir, onnx_file.parent)
+    if _module(onnx_file) is onnx_target:
+        assert onnx_target.ensure_export(smol_dir, onnx_file.parent) == onnx_file  # cached: not exported again
+    else:
+        assert onnx_q41.ensure_export(smol_dir, onnx_file.parent, None) == onnx_file
 
 
 def test_the_export_is_made_as_its_build_says(onnx_file):
-    """Weights in blocks of BLOCK_SIZE; the features are the residual nodes' own outputs (no
-    copy per layer); the manifest records the build, so a cached price of another build is
-    not reused (it is part of the cost curve's key)."""
+    """Weights in blocks of BLOCK_SIZE (q4_1: the layers' in 4 bits and blocks of 32, each with
+    its remainder); the features are the residual nodes' own outputs (no copy per layer); the
+    manifest records the build, so a cached price of another build is not reused (it is part
+    of the cost curve's key)."""
     import json
 
     import onnx
 
     model = onnx.load(str(onnx_file), load_external_data=False)
     blocks = {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"}
-    assert blocks == {onnx_target.BLOCK_SIZE}
+    bits = {n.name: a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
+    if _module(onnx_file) is onnx_target:
+        assert blocks == {onnx_target.BLOCK_SIZE} and set(bits.values()) == {8}
+    else:
+        assert blocks == {onnx_q41.BLOCK}
+        assert {b for name, b in bits.items() if not name.startswith("/lm_head/")} == {4}
+        remainders = {n.name for n in model.graph.node if n.name.endswith("/remainder")}
+        assert remainders == {f"{name}/remainder" for name, b in bits.items() if b == 4}
     produced = {o for n in model.graph.node for o in n.output}
     assert {f"features.{i}" for i in LAYERS} <= produced
     assert not [n for n in model.graph.node if n.op_type == "Identity"]
@@ -77,9 +97,17 @@ def test_the_export_is_made_as_its_build_says(onnx_file):
         files = {e.value for i in batch.graph.initializer for e in i.external_data if e.key == "location"}
         assert files == {onnx_file.name + ".data"}
     manifest = json.loads((onnx_file.parent / onnx_target.MANIFEST).read_text())
-    assert {k: manifest["key"][k] for k in onnx_target.BUILD} == onnx_target.BUILD
+    build = _module(onnx_file).BUILD
+    assert {k: manifest["key"][k] for k in build} == build
     # The runtime reads what the graph was made as from that manifest (the Target's `build`).
-    assert ort.read_build(onnx_file.parent) == onnx_target.BUILD and ort.read_build(onnx_file.parent.parent) is None
+    assert ort.read_build(onnx_file.parent) == build and ort.read_build(onnx_file.parent.parent) is None
+
+
+def test_the_build_names_the_backend_and_the_fewest_rows_a_call_runs(ort_target, onnx_file):
+    """q4_1: a lone row runs as two through the 4-bit weights (min_rows 2), so the cost curve
+    prices a plain step as a verify of 2 (dflash.engine.costs)."""
+    q41 = _module(onnx_file) is onnx_q41
+    assert (ort_target.backend, ort_target.min_rows) == (("ort-q4_1", 2) if q41 else ("ort", 1))
 
 
 def test_the_cost_curve_key_names_the_build(ort_engine):
@@ -89,7 +117,7 @@ def test_the_cost_curve_key_names_the_build(ort_engine):
     target = ort_engine.target
     saved = target.build
     try:
-        target.build = {**onnx_target.BUILD, "block_size": 32}
+        target.build = {**target.build, "block_size": 16}
         assert curve_key(ort_engine) != key
     finally:
         target.build = saved

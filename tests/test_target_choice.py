@@ -143,6 +143,7 @@ def test_a_backend_asked_for_that_cannot_run_is_a_clean_error(smol_dir):
     assert err.value.code == "bad_target" and "GGUF" in err.value.message
     builders = target_builders(smol_dir, device="cpu", dtype="bfloat16")
     assert builders["hf"].why_not is None and "float32" in builders["ort"].why_not
+    assert "float32" in builders["ort-q4_1"].why_not
     with pytest.raises(DFlashError) as err:
         load_target(smol_dir, "ort", dtype="bfloat16")
     assert err.value.code == "bad_target"
@@ -160,10 +161,10 @@ def test_auto_on_this_machine_takes_a_measured_backend(tmp_path):
     sel = engine.target.selection
     times = sel["request_s"]  # a typical request's time: the choice is the shortest
     assert sel["how"] == "measured at start" and engine.target.backend == min(times, key=times.get)
-    assert {"hf", "llamacpp", "ort"} >= set(times) and len(times) >= 2
+    assert {"hf", "llamacpp", "ort", "ort-q4_1"} >= set(times) and len(times) >= 2
     assert set(sel["expected_tokens_per_s"]) == set(times)
     # Every candidate priced, or passed over for a plain step that rules it out.
-    assert set(times) | set(sel.get("passed_over", {})) == {"hf", "llamacpp", "ort"}
+    assert set(times) | set(sel.get("passed_over", {})) == {"hf", "llamacpp", "ort", "ort-q4_1"}
 
 
 def test_backends_are_priced_at_a_typical_requests_context(monkeypatch):

@@ -127,8 +127,12 @@ def cmd_models(args) -> int:
     target = ensure_default_target()
     drafter, is_random = ensure_default_drafter(target)
     info = {"target": str(target), "drafter": str(drafter), "random_drafter": is_random}
-    if builder_version() is not None:  # the ort backend's int8 export, made now rather than at the first start
+    if builder_version() is not None:  # the ort backend's exports, made now rather than at the first start
+        from dflash.convert import onnx_q41
+
         info["target_onnx"] = str(ensure_export(target, onnx_export_dir(target), quiet=False))
+        info["target_onnx_q4_1"] = str(onnx_q41.ensure_export(target, onnx_export_dir(target, onnx_q41.PRECISION),
+                                                              onnx_export_dir(target), quiet=False))
     print(json.dumps(info) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
     if is_random:
         print(RANDOM_DRAFTER_WARNING, file=sys.stderr)

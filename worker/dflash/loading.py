@@ -63,7 +63,7 @@ def load_versioned(path: str | Path, device="cpu", dtype=None) -> tuple[object, 
     return model, model_digest(model)
 
 
-TARGET_BACKENDS = ("auto", "hf", "llamacpp", "ort")
+TARGET_BACKENDS = ("auto", "hf", "llamacpp", "ort", "ort-q4_1")
 
 
 def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "float32", random_drafter=False,
@@ -132,6 +132,7 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     """Every target backend's builder for this target, device and dtype (see _Builder)."""
     import torch
 
+    from dflash.convert import onnx_q41
     from dflash.convert.onnx_target import builder_version, ensure_export, is_current
     from dflash.engine.dtypes import DTYPES
     from dflash.engine.target import llamacpp, ort
@@ -139,8 +140,9 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     from dflash.model_files import onnx_export_dir
 
     cpu32 = None if device == "cpu" and dtype == "float32" else f"it runs float32 on a CPU (asked: {dtype} on {device})"
-    export = onnx_export_dir(target_dir)
+    export, export_q41 = onnx_export_dir(target_dir), onnx_export_dir(target_dir, onnx_q41.PRECISION)
     exported = is_current(Path(target_dir), export)
+    exported_q41 = onnx_q41.is_current(Path(target_dir), export_q41)
 
     def hf():
         return HFTarget.from_pretrained(target_dir, device=device, dtype=DTYPES[dtype])
@@ -151,14 +153,22 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     def onnx_target():
         return ort.OrtTarget(ensure_export(target_dir, export, quiet=False), target_dir, threads=torch.get_num_threads())
 
+    def onnx_q41_target():
+        return ort.OrtTarget(onnx_q41.ensure_export(target_dir, export_q41, export, quiet=False), target_dir,
+                             threads=torch.get_num_threads())
+
+    ort_missing = cpu32 or (None if ort.available() else "onnxruntime is not installed")
     return {
         "hf": _Builder(hf, None),
         "llamacpp": _Builder(gguf_target, cpu32 or (
             None if llamacpp.available() else "llama-cpp-python is not installed (make setup installs it)") or (
             None if gguf is not None else "no GGUF of the target (--target-gguf FILE; the embedded default has one)")),
-        "ort": _Builder(onnx_target, cpu32 or (None if ort.available() else "onnxruntime is not installed") or (
+        "ort": _Builder(onnx_target, ort_missing or (
             None if builder_version() or exported
             else "onnxruntime-genai (the exporter) is not installed (make setup installs it)"), ready=exported),
+        "ort-q4_1": _Builder(onnx_q41_target, ort_missing or (
+            None if builder_version() or exported or exported_q41
+            else "onnxruntime-genai (the exporter) is not installed (make setup installs it)"), ready=exported_q41),
     }
 
 
@@ -182,14 +192,14 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
     import torch
 
     from dflash import __version__
-    from dflash.convert import onnx_target
+    from dflash.convert import onnx_q41, onnx_target
     from dflash.engine.costs import TYPICAL_CONTEXT, cpu_name, spot_prices
     from dflash.engine.target import fastest
 
     key = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "target": Path(target_dir).name,
            "context": TYPICAL_CONTEXT,
            "candidates": sorted(builders), "versions": fastest.runtime_versions(), "dflash": __version__,
-           "ort_build": onnx_target.BUILD}
+           "ort_build": onnx_target.BUILD, "ort_q4_1_build": onnx_q41.BUILD}
     record = fastest.cached_choice(cost_dir, key)
     if record is not None:
         engine = engine_over(builders[record["choice"]]())
@@ -237,7 +247,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="CPU threads (torch's and llama.cpp's; default: torch's choice)")
     p.add_argument("--target-backend", default="auto", choices=TARGET_BACKENDS,
                    help="what runs the target: hf (transformers, the reference), llamacpp (its GGUF in llama.cpp, "
-                        "CPU), ort (an int8 ONNX export in ONNX Runtime, CPU), auto (default: the one that decodes "
+                        "CPU), ort (an int8 ONNX export in ONNX Runtime, CPU), ort-q4_1 (the same graph with a Q4_1 "
+                        "target's weights exactly, CPU), auto (default: the one that decodes "
                         "fastest here, measured once and cached)")
     p.add_argument("--target-gguf", help="the target as GGUF for --target-backend llamacpp (default: the embedded "
                    "target's shipped Q4_1 file, when --target is not given)")

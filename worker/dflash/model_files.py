@@ -49,14 +49,14 @@ def default_target_dir() -> Path:
     return cache_dir() / DEFAULT_TARGET_NAME
 
 
-def onnx_export_dir(target_dir: str | Path) -> Path:
-    """Where the int8 ONNX export of a target folder lives (the ort backend's): in the
-    cache, named after the folder and its absolute path (a user's model folder is left
-    as it is)."""
+def onnx_export_dir(target_dir: str | Path, precision: str = "int8") -> Path:
+    """Where an ONNX export of a target folder lives (the ort backend's: int8, or q4_1, see
+    dflash.convert.onnx_q41): in the cache, named after the folder and its absolute path (a
+    user's model folder is left as it is)."""
     import hashlib
 
     path = Path(target_dir).resolve()
-    return cache_dir() / "onnx" / f"{path.name}-{hashlib.sha256(str(path).encode()).hexdigest()[:12]}-int8"
+    return cache_dir() / "onnx" / f"{path.name}-{hashlib.sha256(str(path).encode()).hexdigest()[:12]}-{precision}"
 
 
 def default_drafter_dir() -> tuple[Path, bool]:

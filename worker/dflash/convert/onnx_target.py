@@ -75,10 +75,15 @@ def builder_version() -> str | None:
         return None
 
 
+def source_files(hf_dir: Path) -> dict:
+    """The source folder's files an export depends on, with their sizes."""
+    files = sorted(p for p in Path(hf_dir).iterdir() if p.suffix in (".json", ".safetensors"))
+    return {p.name: p.stat().st_size for p in files}
+
+
 def _source_key(hf_dir: Path) -> dict:
     """What the export depends on: this module's edits, the precision and the source files."""
-    files = sorted(p for p in hf_dir.iterdir() if p.suffix in (".json", ".safetensors"))
-    return {**BUILD, "source": {p.name: p.stat().st_size for p in files}}
+    return {**BUILD, "source": source_files(hf_dir)}
 
 
 def is_current(hf_dir: Path, out: Path) -> bool:

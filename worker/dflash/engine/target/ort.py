@@ -91,8 +91,8 @@ def _attention_rows(n: int, rows: int) -> np.ndarray:
 
 
 class OrtTarget(BorrowedHead):
-    backend = NAME
-    min_rows = 1  # a lone row goes through the weights alone (only its attention sees it twice)
+    backend = NAME  # the int8 build's; another build's adds its precision ("ort-q4_1")
+    min_rows = 1  # a lone row goes through the weights alone (only its attention sees it twice) ...
 
     def __init__(self, model_file: str | Path, hf_dir: str | Path, threads: int | None = None,
                  context: int = DEFAULT_CONTEXT):
@@ -127,6 +127,11 @@ class OrtTarget(BorrowedHead):
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.hidden_size = int(cfg.hidden_size)
         self.model_file, self.hf_dir, self.build = model_file, hf_dir, read_build(model_file.parent)
+        # ... except in a build whose kernels round one row differently from several (the q4_1
+        # build's 4-bit weights: dflash.convert.onnx_q41), where it goes through them twice.
+        self.min_rows = int((self.build or {}).get("min_rows", 1))
+        precision = (self.build or {}).get("precision", "int8")
+        self.backend = NAME if precision == "int8" else f"{NAME}-{precision}"
         self.name = hf_dir.name
         self.threads = opts.intra_op_num_threads
         self.context_length = min(int(getattr(cfg, "max_position_embeddings", 2048)), context)
@@ -324,21 +329,22 @@ class OrtTarget(BorrowedHead):
 
     def _call(self, row: TargetRow, layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One ONNX Runtime run: the row's ids after its cached tokens (attention sees at
-        least MIN_ROWS rows: a lone row twice, the copy's K/V past the sequence's length,
-        never read)."""
+        least MIN_ROWS rows, the weights at least `min_rows`: a lone row twice, the copy's
+        K/V past the sequence's length, never read)."""
         seq, n = row.seq, len(row.ids)
-        S = max(n, MIN_ROWS)
+        ids = row.ids + row.ids[-1:] * (self.min_rows - n)  # the rows through the weights
+        S = max(len(ids), MIN_ROWS)
         total = seq.length + S
         self._reserve(seq, total)
         want = np.arange(n - row.logits, n, dtype=np.int64) if row.logits else np.zeros(1, dtype=np.int64)
         # Outputs land in arrays of ours (no copy, no wrapper per K/V buffer): logits of the
         # asked rows, each asked layer's residual stream of the call's rows.
         logits = np.empty((len(want), self.vocab_size), dtype=np.float32)
-        feats = [np.empty((1, n, self.hidden_size), dtype=np.float32) for _ in layer_ids]
+        feats = [np.empty((1, len(ids), self.hidden_size), dtype=np.float32) for _ in layer_ids]
         b = self._binding(seq, layer_ids)
-        b.bind_cpu_input("input_ids", np.array([row.ids], dtype=np.int64))
-        b.bind_cpu_input("attention_rows", _attention_rows(n, S))
-        b.bind_cpu_input("output_rows", np.arange(n, dtype=np.int64))
+        b.bind_cpu_input("input_ids", np.array([ids], dtype=np.int64))
+        b.bind_cpu_input("attention_rows", _attention_rows(len(ids), S))
+        b.bind_cpu_input("output_rows", np.arange(len(ids), dtype=np.int64))
         b.bind_cpu_input("seqlens_k", np.array([total - 1], dtype=np.int32))
         b.bind_cpu_input("total_sequence_length", np.array(total, dtype=np.int32))
         b.bind_cpu_input("logit_rows", want)
@@ -346,7 +352,7 @@ class OrtTarget(BorrowedHead):
             b.bind_output(name, "cpu", 0, np.float32, list(arr.shape), arr.ctypes.data)
         self.session.run_with_iobinding(b)
         out_logits = torch.from_numpy(logits) if row.logits else torch.empty(0, self.vocab_size)
-        out_feats = torch.from_numpy(np.concatenate([f[0] for f in feats], axis=-1)) if layer_ids else None
+        out_feats = torch.from_numpy(np.concatenate([f[0, :n] for f in feats], axis=-1)) if layer_ids else None
         return out_logits, out_feats
 
     def _binding(self, seq: OrtSequence, layer_ids: tuple[int, ...]):
