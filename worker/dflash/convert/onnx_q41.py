@@ -73,13 +73,7 @@ def ensure_export(hf_dir: str | Path, out: str | Path, int8_dir: str | Path, qui
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         rewrite(source, _weights(hf_dir), work / MODEL_FILE, hf_dir)
-        for k in BATCH_GRAPHS:
-            onnx_target.write_batch_graph(work / MODEL_FILE, work / batch_file(k), k)
-        (work / MANIFEST).write_text(json.dumps({"key": _key(hf_dir), "builder": onnx_target.builder_version()},
-                                                indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        work.rename(out)  # whole or not at all
+        onnx_target.publish(work, _key(hf_dir), out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out / MODEL_FILE

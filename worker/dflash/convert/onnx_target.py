@@ -128,16 +128,21 @@ def ensure_export(hf_dir: str | Path, out: str | Path, quiet: bool = True) -> Pa
         final = work / "final"
         final.mkdir()
         edit(built / MODEL_FILE, final / MODEL_FILE)
-        for k in BATCH_GRAPHS:
-            write_batch_graph(final / MODEL_FILE, final / batch_file(k), k)
-        manifest = {"key": _source_key(hf_dir), "builder": builder_version()}
-        (final / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        final.rename(out)  # whole or not at all
+        publish(final, _source_key(hf_dir), out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out / MODEL_FILE
+
+
+def publish(folder: Path, key: dict, out: Path) -> None:
+    """The batch graphs and the manifest (`key`, the builder's version) beside `folder`'s
+    edited graph, then `folder` becomes `out`: an export is there whole or not at all."""
+    for k in BATCH_GRAPHS:
+        write_batch_graph(folder / MODEL_FILE, folder / batch_file(k), k)
+    (folder / MANIFEST).write_text(json.dumps({"key": key, "builder": builder_version()}, indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    folder.rename(out)
 
 
 def edit(src: Path, dst: Path) -> None:
