@@ -41,7 +41,7 @@ COPY worker/dflash/__init__.py worker/dflash/errors.py worker/dflash/model_files
 COPY worker/dflash/convert/__init__.py worker/dflash/convert/onnx_target.py worker/dflash/convert/onnx_q41.py /build/dflash/convert/
 RUN cd /build && PG_DFLASH_CACHE=/models TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 /opt/venv/bin/python -c \
     "from dflash.model_files import ensure_default_target, onnx_export_dir; from dflash.convert import onnx_q41; \
-t = ensure_default_target(); print(onnx_q41.ensure_export(t, onnx_export_dir(t, 'q4_1'), onnx_export_dir(t)))" \
+t = ensure_default_target(); print(onnx_q41.ensure_export(t, onnx_export_dir(t, onnx_q41.PRECISION), onnx_export_dir(t)))" \
  && chmod -R a+rX,go-w /models
 
 # --- the worker package itself (the layers a code change rebuilds) ---------------------------

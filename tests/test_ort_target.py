@@ -59,13 +59,15 @@ def _module(onnx_file):
 def test_the_export_is_edited_for_the_engine(onnx_file, smol_dir):
     import onnxruntime as rt
 
+    from dflash.model_files import onnx_export_dir
+
     names = {i.name for i in rt.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"]).get_inputs()}
     assert {"seqlens_k", "total_sequence_length", "logit_rows"} <= names and "attention_mask" not in names
     assert _module(onnx_file).is_current(smol_dir, onnx_file.parent)
     if _module(onnx_file) is onnx_target:
         assert onnx_target.ensure_export(smol_dir, onnx_file.parent) == onnx_file  # cached: not exported again
     else:
-        assert onnx_q41.ensure_export(smol_dir, onnx_file.parent, None) == onnx_file
+        assert onnx_q41.ensure_export(smol_dir, onnx_file.parent, onnx_export_dir(smol_dir)) == onnx_file
 
 
 def test_the_export_is_made_as_its_build_says(onnx_file):

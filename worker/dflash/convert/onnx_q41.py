@@ -26,7 +26,6 @@ is drafted; the worker measures.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import tempfile
@@ -34,7 +33,7 @@ from pathlib import Path
 
 from dflash.convert import onnx_target
 from dflash.errors import DFlashError
-from dflash.onnx_export_files import BATCH_GRAPHS, MANIFEST, MODEL_FILE, batch_file
+from dflash.onnx_export_files import MODEL_FILE
 
 PRECISION = "q4_1"
 BLOCK = 32  # Q4_1's and Q8_0's block
@@ -46,12 +45,8 @@ _LAYER = re.compile(r"/model/layers\.(\d+)/(attn|mlp)/(\w+_proj)/MatMul")
 
 
 def is_current(hf_dir: Path, out: Path) -> bool:
-    try:
-        manifest = json.loads((Path(out) / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    files = [MODEL_FILE, *(batch_file(k) for k in BATCH_GRAPHS)]
-    return manifest.get("key") == _key(Path(hf_dir)) and all((Path(out) / f).is_file() for f in files)
+    """Whether `out` holds the q4_1 export of `hf_dir` as it is now."""
+    return onnx_target.made_as(out, lambda: _key(Path(hf_dir))) is not None
 
 
 def _key(hf_dir: Path) -> dict:
@@ -90,15 +85,22 @@ def _weights(hf_dir: Path) -> dict:
     return weights
 
 
+def _blocks(w):
+    """w [N, K] as fp32 blocks [N, K / 32, 32]; None where K is not whole blocks."""
+    import numpy as np
+
+    N, K = w.shape
+    return None if K % BLOCK else w.reshape(N, K // BLOCK, BLOCK).astype(np.float32)
+
+
 def q4_1_blocks(w):
     """(q [N, nb, 32] uint8, d [N, nb], z [N, nb] uint8, r [N, nb]) with w = d * (q - z) + r
     per block of 32, exactly; None where some block is not a Q4_1 block."""
     import numpy as np
 
-    N, K = w.shape
-    if K % BLOCK:
+    b = _blocks(w)
+    if b is None:
         return None
-    b = w.reshape(N, K // BLOCK, BLOCK).astype(np.float32)
     lo, hi = b.min(-1), b.max(-1)
     d = ((hi - lo) / 15).astype(np.float16).astype(np.float32)
     d = np.where(d == 0, np.float32(1), d)
@@ -113,10 +115,9 @@ def q8_0_blocks(w):
     """(q [N, nb, 32] as uint8 q + 128, d [N, nb]) with w = d * q per block, exactly; or None."""
     import numpy as np
 
-    N, K = w.shape
-    if K % BLOCK:
+    b = _blocks(w)
+    if b is None:
         return None
-    b = w.reshape(N, K // BLOCK, BLOCK).astype(np.float32)
     d = (np.abs(b).max(-1) / 127).astype(np.float16).astype(np.float32)
     d = np.where(d == 0, np.float32(1), d)
     q = np.clip(np.rint(b / d[..., None]), -127, 127)

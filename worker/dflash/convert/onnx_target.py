@@ -90,14 +90,20 @@ def is_current(hf_dir: Path, out: Path) -> bool:
     """Whether `out` holds an export of `hf_dir` as it is now (made by the builder installed
     here, when one is: a machine that runs the export without the builder, such as the
     worker image, takes it as made)."""
+    manifest = made_as(out, lambda: _source_key(Path(hf_dir)))
+    builder = builder_version()
+    return manifest is not None and (builder is None or manifest.get("builder") == builder)
+
+
+def made_as(out: Path, key) -> dict | None:
+    """The manifest of the export in `out` when it was made as `key()` (see `publish`; the
+    source folder is read only where there is a manifest) and has all its files; else None."""
     try:
         manifest = json.loads((Path(out) / MANIFEST).read_text())
     except (OSError, ValueError):
-        return False
-    builder = builder_version()
+        return None
     files = [MODEL_FILE, *(batch_file(k) for k in BATCH_GRAPHS)]
-    return (manifest.get("key") == _source_key(Path(hf_dir)) and all((Path(out) / f).is_file() for f in files)
-            and (builder is None or manifest.get("builder") == builder))
+    return manifest if manifest.get("key") == key() and all((Path(out) / f).is_file() for f in files) else None
 
 
 def ensure_export(hf_dir: str | Path, out: str | Path, quiet: bool = True) -> Path:
