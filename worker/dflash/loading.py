@@ -209,6 +209,7 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
             return engine
         del engine
     measured, same, failed, passed_over = {}, {}, {}, {}
+    kept = {}  # the quickest engine so far, by name: kept, so the winner is not built a second time
     acceptance = fastest.default_acceptance()
     # The reference last: on a CPU the likeliest to lose, so the one a plain step may rule out.
     for name in sorted(builders, key=lambda n: n == "hf"):
@@ -227,13 +228,15 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
             continue
         same = {"draft_dtype": engine.draft_dtype}  # as the first backend measured it
         measured[name] = spot_prices(engine)
+        if min(measured, key=lambda n: fastest.request_seconds(measured[n], acceptance)) == name:
+            kept = {name: engine}  # as fastest.remember will choose: the least request time, first of equals
         del engine, target
     if not measured:  # none can run it (a drafter that fits no backend's target): the first one's reason
         raise next(iter(failed.values()))
     failed = {name: exc.message for name, exc in failed.items()}
     record = fastest.remember(cost_dir, key, measured, passed_over)
     record["failed"] = failed
-    engine = engine_over(builders[record["choice"]](), **same)
+    engine = kept.pop(record["choice"])
     engine.target.selection = {"backend": engine.target.backend, "how": "measured at start", **fastest.summary(record)}
     return engine
 
