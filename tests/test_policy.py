@@ -83,6 +83,37 @@ def test_probes_are_spaced_by_what_a_failed_one_costs():
     assert _policy(0.0, costs=hopeless).probe_gap == math.inf
 
 
+def _first_planned_probe(policy: BlockPolicy, prompt_rows: int, steps: int = 400) -> int | None:
+    """The step of the drafter's first probe when every step leaves one more target row it
+    has not seen, after a prompt of `prompt_rows` (what step.py passes as pending rows)."""
+    for i in range(steps):
+        who, D = policy.plan(None, 0.0, True, prompt_rows + i)
+        if who == "dflash":
+            return i
+        policy.observe([], 1, 0, 1)
+    return None
+
+
+def test_a_probe_is_priced_with_the_rows_the_drafter_must_catch_up_on():
+    """A probe's drafter pass also takes every target row it has not seen (at a request's
+    first probe, the prompt and the answer so far): priced with them, the gap before a probe
+    grows with them and failed probes stay under probe_overhead; where catching up on one
+    row costs that share of a plain step already, no probe ever pays for itself."""
+    def curve(row_s):
+        return CostCurve(list(CPU.verify_s), list(CPU.draft_s), context_row_s=row_s)
+
+    thin = CFG.informed_prior_steps / 2
+    policy = _policy(0.0, costs=curve(0.002), strength=thin)
+    base = policy.probe_gap
+    policy.pending_rows = 100
+    excess = CPU.step_s(CFG.probe_len, CFG.probe_len) / CPU.verify_s[0] - 1 + 100 * 0.002 / CPU.verify_s[0]
+    assert policy.probe_gap == math.ceil(excess / CFG.probe_overhead) > base
+    free = _first_planned_probe(_policy(0.0, costs=curve(0.0), strength=thin), 100)
+    short, long = (_first_planned_probe(_policy(0.0, costs=curve(0.002), strength=thin), n) for n in (10, 100))
+    assert free is not None and short is not None and long is not None and free < short < long
+    assert _first_planned_probe(_policy(0.0, costs=curve(CFG.probe_overhead), strength=thin), 10) is None
+
+
 def test_always_kept_means_the_full_block():
     policy = _policy(1.0)
     assert policy.draft_length() == CPU.max_block

@@ -204,21 +204,33 @@ class BlockPolicy:
     def probe_gap(self) -> int | float:
         """Plain steps before the next probe: the backed-off gap, at least what keeps failed
         probes under `probe_overhead` of the time at this step's prices (inf: no probes)."""
-        prices = self.prices
-        if getattr(self, "_floor_for", None) is not prices:
-            self._floor_for, self._floor = prices, self._probe_floor(prices)
-        return max(self.probe_every, self._floor)
+        return max(self.probe_every, self._probe_floor(self.prices))
 
     def _probe_floor(self, prices: Prices) -> int | float:
+        """The fewest plain steps per probe that keep failed probes under `probe_overhead`:
+        a probe's price beyond its own token, in plain steps, over that share. The price
+        includes the drafter's pass over the target rows it has not seen yet
+        (`pending_rows`: at a request's first probe its prompt and every token so far),
+        which in the loop cost more than the short draft itself: priced without it, probes
+        took ~4 % of a request's time instead of 1 % (docs/benchmarks.md, Zen 4)."""
+        if getattr(self, "_excess_for", None) is not prices:
+            self._excess_for, self._excess = prices, self._probe_excess(prices)
+        if self._excess is None:
+            return float("inf")
+        excess = self._excess + self.pending_rows * prices.context_row_s / prices.verify_s[0]
+        return math.ceil(excess / self.cfg.probe_overhead) if excess > 0 else 0
+
+    def _probe_excess(self, prices: Prices) -> float | None:
+        """Plain steps a probe with nothing pending costs beyond its own token; None where no
+        draft can pay at these prices (then there are no probes)."""
         P = min(self.cfg.probe_len, self.max_block)
         if P < 2:
-            return float("inf")
+            return None
         rate = 1.0 / prices.verify_s[0]
         # Could drafting pay at all? Every draft kept: L tokens for a step of length L.
         if max(L - rate * prices.step_s(L, L) for L in range(2, self.max_block + 1)) <= 0:
-            return float("inf")
-        excess = rate * prices.step_s(P, P) - 1.0  # plain steps a probe costs beyond its own token
-        return math.ceil(excess / self.cfg.probe_overhead) if excess > 0 else 0
+            return None
+        return rate * prices.step_s(P, P) - 1.0
 
     # --- decisions ---------------------------------------------------------------------
 
