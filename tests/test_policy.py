@@ -114,6 +114,65 @@ def test_a_probe_is_priced_with_the_rows_the_drafter_must_catch_up_on():
     assert _first_planned_probe(_policy(0.0, costs=curve(CFG.probe_overhead), strength=thin), 10) is None
 
 
+def test_the_drafter_sits_out_a_request_it_would_never_run_in():
+    """Until the drafter has an outcome in the request, drafting only gets dearer as it goes
+    on (the rate never falls below plain decoding's, pending rows grow): where plain beats
+    every draft length at the start and no probe falls within the request's steps, the
+    drafter sits the request out; one step more (the probe inside) or a prior that says
+    drafts pay keeps it."""
+    costs = CostCurve(list(CPU.verify_s), list(CPU.draft_s), context_row_s=0.002)
+    thin = CFG.informed_prior_steps / 2
+    probe_at = _first_planned_probe(_policy(0.0, costs=costs, strength=thin), 100)
+    assert probe_at is not None and probe_at > 0
+    assert _policy(0.0, costs=costs, strength=thin).drafter_sits_out(100, probe_at)
+    assert not _policy(0.0, costs=costs, strength=thin).drafter_sits_out(100, probe_at + 1)
+    assert not _policy(None, costs=costs).drafter_sits_out(100, 2)  # the default prior drafts at once
+    never = _policy(0.0, costs=CostCurve(list(CPU.verify_s), list(CPU.draft_s), context_row_s=CFG.probe_overhead),
+                    strength=thin)
+    assert never.drafter_sits_out(10, 10_000) and never.pending_rows == 10
+
+
+def test_a_request_the_drafter_sits_out_decodes_the_same_without_it(cpu_like_engine, tiny_engine):
+    """The engine leaves the drafter (and the target's features for it) out of such a
+    request: only suffix drafts and plain steps, the same greedy output as plain decoding."""
+    never = {"accepted": [0] * 7, "judged": [1000] * 7}
+    prompt = [5, 6, 7, 8, 5, 6, 7]
+    ref = tiny_engine.generate(GenerationRequest(input_ids=prompt, max_new_tokens=12, block_size=1)).output_ids
+    req = GenerationRequest(input_ids=prompt, max_new_tokens=12, prior=never)
+    state = cpu_like_engine.admit(req)
+    assert "dflash" not in state.proposals and "suffix" in state.proposals
+    cpu_like_engine.release(state)
+    res = cpu_like_engine.generate(req)
+    assert res.output_ids == ref and "dflash" not in res.stats.by_proposer
+    drafting = cpu_like_engine.admit(GenerationRequest(input_ids=prompt, max_new_tokens=12,
+                                                       prior={"accepted": [1000] * 7, "judged": [1000] * 7}))
+    assert "dflash" in drafting.proposals
+    cpu_like_engine.release(drafting)
+
+
+def test_the_drafter_plans_over_what_recent_requests_took(cpu_like_engine):
+    """Most requests stop at an end token long before max_new_tokens: once enough auto
+    generations have finished, a request plans its drafter's probes over their median
+    length (a seeded one over max_new_tokens, so the same seed gives the same output)."""
+    engine, saved = cpu_like_engine, list(cpu_like_engine.recent_counts)
+    try:
+        engine.recent_counts.clear()
+        req = GenerationRequest(input_ids=[5, 6], max_new_tokens=100)
+        for n in range(CFG.typical_after - 1):
+            engine.recent_counts.append({"accepted": [], "judged": [], "steps": 10 + n})
+        assert engine.steps_expected(req) == 100  # too few finished yet
+        engine.recent_counts.append({"accepted": [], "judged": [], "steps": 40})
+        assert engine.steps_expected(req) == sorted([10 + n for n in range(CFG.typical_after - 1)] + [40])[
+            CFG.typical_after // 2]
+        assert engine.steps_expected(GenerationRequest(input_ids=[5, 6], max_new_tokens=12)) == 12
+        assert engine.steps_expected(GenerationRequest(input_ids=[5, 6], max_new_tokens=100, seed=3)) == 100
+        res = engine.generate(GenerationRequest(input_ids=[5, 6], max_new_tokens=5, block_size=None))
+        assert engine.recent_counts[-1]["steps"] == len(res.stats.steps)
+    finally:
+        engine.recent_counts.clear()
+        engine.recent_counts.extend(saved)
+
+
 def test_always_kept_means_the_full_block():
     policy = _policy(1.0)
     assert policy.draft_length() == CPU.max_block

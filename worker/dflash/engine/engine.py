@@ -416,11 +416,25 @@ class Engine(RequestChecks):
             workload=workload,
         )
         allowed = set(req.proposers) if req.proposers is not None else {DFLASH, SUFFIX}
+        if policy is not None and policy.drafter_sits_out(len(prompt_ids), self.steps_expected(req)):
+            allowed.discard(DFLASH)  # auto would not run it here: no features, no lookups for it
         if block > 1 and (DFLASH in allowed or fixed is not None):  # a fixed block size: the drafter's
             state.proposals[DFLASH] = self.dflash.start(state)
         if policy is not None and req.proposals and SUFFIX in allowed:
             state.proposals[SUFFIX] = self.suffix.start(state)
         return state
+
+    def steps_expected(self, req: GenerationRequest) -> int:
+        """The steps a request's drafter schedule is planned over: its max_new_tokens, or, for
+        an unseeded request once `typical_after` auto generations have finished, the median steps
+        they took if fewer (most requests stop at an end token long before max_new_tokens, and
+        a drafter kept ready for a probe that the typical request never reaches costs the
+        target's features on every step). A seeded one plans over max_new_tokens alone, so the
+        same seed gives the same output."""
+        steps = sorted(c["steps"] for c in self.recent_counts if "steps" in c)
+        if req.seed is not None or len(steps) < self.policy_config.typical_after:
+            return req.max_new_tokens
+        return min(req.max_new_tokens, steps[len(steps) // 2])
 
     def knows_workload(self, key: str) -> bool:
         """Whether this engine holds a memory of the workload (else a request must bring its history)."""
@@ -467,7 +481,7 @@ class Engine(RequestChecks):
             text = state.stops.cut(text)
         state.stats.new_tokens = len(ids)
         if state.policy is not None:
-            self.recent_counts.append(state.policy.counts())
+            self.recent_counts.append({**state.policy.counts(), "steps": len(state.stats.steps)})
         if state.workload is not None and ids:
             self.workloads.remember(state.workload, list(ids))
         self.release(state)

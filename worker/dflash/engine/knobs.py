@@ -45,6 +45,9 @@ class PolicyConfig:
     # more: on a CPU a verify of 3 costs about what 2 does while 4 costs markedly more
     # (small-M matmul kernels), and the first draft positions decide whether drafting pays.
     probe_len: int = 3
+    # Finished auto generations before their median length, not max_new_tokens, bounds the steps
+    # a request plans its drafter's probes over (Engine.steps_expected).
+    typical_after: int = 8
     warmup_outcomes: int = 4  # drafted steps verify everything until this many outcomes are calibrated
     # The suffix proposer's chains: before any outcome, a chain position is trusted at this
     # share of its match-count confidence (a count of one earlier occurrence says little),

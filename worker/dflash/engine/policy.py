@@ -232,6 +232,29 @@ class BlockPolicy:
             return None
         return rate * prices.step_s(P, P) - 1.0
 
+    def drafter_sits_out(self, pending_rows: int, steps: int) -> bool:
+        """Whether the drafter would run in none of a lone request's next `steps` steps, with
+        `pending_rows` target rows it has not seen (the prompt, before the first step). Until
+        the drafter itself has an outcome, nothing raises the value of drafting: the going
+        rate never drops below plain decoding's and the pending rows only grow, so if plain
+        beats every draft length now and the probe schedule (suffix steps count as plain
+        ones) puts no probe within `steps`, the drafter never runs, and the request can do
+        without it (and without the target's features for it). Solo prices only: in a batch
+        a request's share of a step is smaller, so its drafts cost relatively more still."""
+        if self.max_block < 2:
+            return True
+        self.pending_rows = pending_rows
+        values = self.draft_values()
+        if max(values[1:]) > values[0]:
+            return False
+        for k in range(steps):  # plain_run after k steps; the gap grows with the rows pending then
+            self.pending_rows = pending_rows + k
+            if k >= self.probe_gap:
+                self.pending_rows = pending_rows
+                return False
+        self.pending_rows = pending_rows
+        return True
+
     # --- decisions ---------------------------------------------------------------------
 
     def draft_length(self) -> int:
