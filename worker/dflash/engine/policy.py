@@ -204,9 +204,9 @@ class BlockPolicy:
     def probe_gap(self) -> int | float:
         """Plain steps before the next probe: the backed-off gap, at least what keeps failed
         probes under `probe_overhead` of the time at this step's prices (inf: no probes)."""
-        return max(self.probe_every, self._probe_floor(self.prices))
+        return max(self.probe_every, self._probe_floor(self.prices, self.pending_rows))
 
-    def _probe_floor(self, prices: Prices) -> int | float:
+    def _probe_floor(self, prices: Prices, pending_rows: int = 0) -> int | float:
         """The fewest plain steps per probe that keep failed probes under `probe_overhead`:
         a probe's price beyond its own token, in plain steps, over that share. The price
         includes the drafter's pass over the target rows it has not seen yet
@@ -217,7 +217,7 @@ class BlockPolicy:
             self._excess_for, self._excess = prices, self._probe_excess(prices)
         if self._excess is None:
             return float("inf")
-        excess = self._excess + self.pending_rows * prices.context_row_s / prices.verify_s[0]
+        excess = self._excess + pending_rows * prices.context_row_s / prices.verify_s[0]
         return math.ceil(excess / self.cfg.probe_overhead) if excess > 0 else 0
 
     def _probe_excess(self, prices: Prices) -> float | None:
@@ -247,13 +247,9 @@ class BlockPolicy:
         values = self.draft_values()
         if max(values[1:]) > values[0]:
             return False
-        for k in range(steps):  # plain_run after k steps; the gap grows with the rows pending then
-            self.pending_rows = pending_rows + k
-            if k >= self.probe_gap:
-                self.pending_rows = pending_rows
-                return False
-        self.pending_rows = pending_rows
-        return True
+        # A probe after k plain steps, once k reaches the gap at the rows pending by then.
+        return not any(k >= max(self.probe_every, self._probe_floor(self.prices, pending_rows + k))
+                       for k in range(steps))
 
     # --- decisions ---------------------------------------------------------------------
 
