@@ -394,7 +394,27 @@ def test_cached_curve_measured_under_load_is_measured_again(tmp_path, tiny_engin
 
     cheap = _scaled(real, 0.05)
     path.write_text(json.dumps(cheap.to_dict()))
+    # (the tiny model's own ratios are timing noise: only the level is judged here)
+    monkeypatch.setattr(costs, "SPOT_SHAPE_TOLERANCE", float("inf"))
     assert load_or_measure(tiny_engine, tmp_path) == cheap and len(calls) == 1
+
+
+def test_a_cached_curve_of_the_wrong_shape_is_stale():
+    """A curve that is not too high but prices a verify of 4 at 1.13 plain steps where the
+    spot check says 1.40 would steer the policy into drafting too much: measured again.
+    Ratios within the tolerance, at any level, are kept."""
+    import dflash.engine.costs as costs
+
+    def checks(now_1, now_4, cached_1, cached_4):
+        return {"verify_1": (now_1, cached_1), "verify_4": (now_4, cached_4), "draft_16": (0.004, 0.004),
+                "batch_8_verify_1": (0.02, 0.002)}  # a batch's and the draft's levels play no part in the shape
+
+    assert costs.is_stale(checks(0.0065, 0.0091, 0.0079, 0.0090))  # flat cache: 1.13 against 1.40
+    assert costs.is_stale(checks(0.0065, 0.0070, 0.0065, 0.0091))  # steep cache: 1.40 against 1.08
+    assert not costs.is_stale(checks(0.0065, 0.0091, 0.0066, 0.0090))  # the same shape
+    assert not costs.is_stale(checks(0.0130, 0.0182, 0.0066, 0.0090))  # busy now, same shape: kept
+    assert costs.is_stale(checks(0.0040, 0.0056, 0.0066, 0.0090))  # faster now: the level rule
+    assert not costs.is_stale({"verify_1": (0.0065, 0.0079)})  # one length: no shape to judge
 
 
 def test_pending_context_rows_are_priced_into_a_draft():
@@ -433,3 +453,28 @@ def test_the_curve_times_lengths_in_rounds_and_prices_padded_lengths_alike():
         assert all(d < 0.001 * D + 0.0015 for D, d in enumerate(draft_s[1:], 2)), draft_s
         if min_rows == 2:
             assert verify_s[0] == verify_s[1]
+
+
+def test_each_length_is_timed_after_a_call_of_its_own_length():
+    """A runtime whose call right after a much larger one runs slow (ONNX Runtime on a Zen 4:
+    a plain step 6.4 ms alone, 7.7 ms after a verify of 16) must not have its plain step
+    timed only in that state: the curve would price every short verify too flat. Here a
+    verify costs 1 ms + 0.5 ms a row, and 4 ms more right after a verify of 8 rows or more
+    (the warm-up's included); the curve keeps the true prices."""
+    import time
+
+    from dflash.engine.costs import MEASURED, _curve, _StepBench
+
+    bench = object.__new__(_StepBench)
+    bench.device, bench.block_size = torch.device("cpu"), 16
+    bench.target = type("T", (), {"min_rows": 1})()
+    last = {"rows": 16}  # the warm-up ends with the largest shapes
+
+    def verify(L):
+        time.sleep(0.001 + 0.0005 * L + (0.004 if last["rows"] >= 8 else 0.0))
+        last["rows"] = L
+
+    bench.verify, bench.draft = verify, lambda D, context_rows=1: time.sleep(0.0002)
+    verify_s, _ = _curve(bench, MEASURED, 2)
+    assert verify_s[0] < 0.0025 and verify_s[1] < 0.003  # 1.5 and 2 ms, not 5.5 and 6
+    assert 1.5 < verify_s[3] / verify_s[0] < 2.4  # a verify of 4: 3 ms, twice a plain step

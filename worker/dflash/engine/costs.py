@@ -40,8 +40,9 @@ TYPICAL_CONTEXT = PREFILL_TOKENS + TYPICAL_NEW_TOKENS // 2
 CONTEXT_ROWS = 16  # pending context rows timed for the drafter's price per row
 # What a curve holds (2: the drafter's price per pending context row; 3: a draft priced with the
 # verify after it; 4: lengths timed in rounds, lengths under the target's min_rows priced
-# alike); older ones are measured again.
-CURVE_FORMAT = 4
+# alike; 5: rounds in alternating order, each timed verify after one of its own length,
+# see _curve); older ones are measured again.
+CURVE_FORMAT = 5
 REPEATS = 5
 BATCH_REPEATS = 3
 # The lengths timed (the drafter's block size too); prices in between are interpolated: a
@@ -375,7 +376,12 @@ def _curve(bench: _StepBench, lengths, repeats: int) -> tuple[list[float], list[
     """Verify and draft prices at every length 1..B from timings at `lengths`, the fastest of
     `repeats` rounds in which every length is timed once in turn: a slow moment of the
     machine (on a shared VM one lasts seconds) then costs each length one sample, not one
-    length all of its samples and a kink in the curve. A verify shorter than the target's
+    length all of its samples and a kink in the curve. Every other round runs the lengths
+    longest first: a call right after a much larger one runs slower (measured with ONNX
+    Runtime on a 2-core Zen 4: a plain step 6.4 ms alone, 7.7 ms right after a verify of 16),
+    so the shortest length, which a round in the other order times right after the longest,
+    would always be timed too high and the curve too flat (verifying 3 priced at 1.03 plain
+    steps where live steps took 1.26). A verify shorter than the target's
     `min_rows` is the same call as one of `min_rows` (padded), so all are priced as their
     fastest."""
     B = bench.block_size
@@ -383,8 +389,9 @@ def _curve(bench: _StepBench, lengths, repeats: int) -> tuple[list[float], list[
     verify_at = {L: float("inf") for L in lengths}
     draft_at = {L: float("inf") for L in lengths if L > 1}
     both_at = dict(draft_at)  # a draft and the verify after it
-    for _ in range(repeats):
-        for L in lengths:
+    for r in range(repeats):
+        for L in lengths if r % 2 == 0 else lengths[::-1]:
+            bench.verify(L)  # settle: the call timed follows one of its own length
             verify_at[L] = min(verify_at[L], _best_s(lambda: bench.verify(L), bench.device, 1))
             if L > 1:
                 draft_at[L] = min(draft_at[L], _best_s(lambda: bench.draft(L), bench.device, 1))
@@ -427,8 +434,14 @@ def measure(engine, max_batch: int = 1) -> CostCurve:
 # cache lives. Interference only ever adds time, so a spot price clearly *below* the cached
 # one means the cache was measured badly; a spot price above it means the machine is busy
 # now, and a re-measurement would be the worse of the two.
+# The policy trades in the curve's ratios (what verifying L costs in plain steps), and a
+# cached curve can be misshapen without being too high: timed in a moment when only its
+# short lengths were slow, it prices drafting too cheaply for as long as it lives (on a
+# 2-core Zen 4, a curve whose verify of 4 cost 1.13 plain steps where every fresh timing
+# said 1.35-1.42). So the spot check's longest length over its shortest is compared too.
 SPOT_LENGTHS = (1, 4)
 SPOT_TOLERANCE = 0.75  # re-measure when a spot price is under this fraction of the cached one
+SPOT_SHAPE_TOLERANCE = 0.12  # or when the spot prices' ratio is off the cached one's by more
 
 
 @torch.inference_mode()
@@ -478,7 +491,15 @@ def spot_prices(engine, lengths=(1, 2, 4), repeats: int = REPEATS) -> dict:
 
 
 def is_stale(checks: dict) -> bool:
-    return any(now < SPOT_TOLERANCE * cached for now, cached in checks.values())
+    if any(now < SPOT_TOLERANCE * cached for now, cached in checks.values()):
+        return True
+    verifies = sorted((int(k.split("_")[1]), v) for k, v in checks.items() if k.startswith("verify_"))
+    if len(verifies) < 2:
+        return False
+    (_, (now_1, cached_1)), (_, (now_n, cached_n)) = verifies[0], verifies[-1]
+    if min(now_1, cached_1, now_n, cached_n) <= 0:
+        return False
+    return abs((now_n / now_1) / (cached_n / cached_1) - 1) > SPOT_SHAPE_TOLERANCE
 
 
 def _interpolate(points: dict[int, float], B: int) -> list[float]:
