@@ -258,6 +258,59 @@ def test_batched_requests_get_what_they_get_alone(ort_engine):
         assert res.output_ids == alone.output_ids
 
 
+def test_a_copied_prefix_is_what_prefilling_it_gives(ort_target):
+    """copy_prefix (the prefix cache's): a sequence that copies the first rows of another
+    and prefills the rest gets, bit for bit, the logits and features of one that prefilled
+    everything, and so does its next step."""
+    t = ort_target
+    shared, rest = _ids(45), _ids(9, 4)
+    src = t.new_sequence()
+    t.forward_batch([TargetRow(src, shared + _ids(20, 8), 1)], LAYERS)  # another answer after the prefix
+    t.forward_batch([TargetRow(src, _ids(3, 2), 3)], LAYERS)
+    fresh, copied = t.new_sequence(), t.new_sequence()
+    ref = t.forward_batch([TargetRow(fresh, shared + rest, 2)], LAYERS)
+    t.copy_prefix(src, copied, 40)
+    assert copied.length == 40 and t.kv_bytes(copied) > 0
+    got = t.forward_batch([TargetRow(copied, (shared + rest)[40:], 2)], LAYERS)
+    assert torch.equal(got.logits[0], ref.logits[0])
+    assert torch.equal(got.features[0], ref.features[0][40:])
+    nxt = [t.forward_batch([TargetRow(s, [7, 8], 2)], LAYERS).logits[0] for s in (fresh, copied)]
+    assert torch.equal(nxt[0], nxt[1])
+    with pytest.raises(ValueError):
+        t.copy_prefix(src, copied, 10)  # only into a sequence that caches nothing
+    for s in (src, fresh, copied):
+        t.free(s)
+
+
+def test_a_workloads_next_prompt_reuses_its_shared_start_and_decodes_the_same(ort_engine):
+    """The engine's prefix cache: a request whose prompt begins like an earlier one of its
+    workload prefills only the rest, with the same greedy output as without the cache; a
+    request of another workload, or one the drafter runs in, reuses nothing."""
+    from dflash.engine.engine import GenerationRequest
+
+    head = "Extract the contact details from the text below into JSON with the keys name and city. Text: "
+    first, second = head + "Mara Quill lives in Denver.", head + "Tom Reyes works in Austin."
+    ort_engine.workloads.load("pc:alice", [])
+    ort_engine.workloads.load("pc:bob", [])
+    ort_engine.workloads.load("pc:carol", [])
+    req = lambda p, w, block=1: GenerationRequest(prompt=p, chat=True, max_new_tokens=12, block_size=block, workload=w)  # noqa: E731
+    ort_engine.generate(req(first, "pc:alice"))
+    hits = ort_engine.prefixes.hits
+    other = ort_engine.generate(req(second, "pc:bob"))
+    assert other.stats.cached_prompt_tokens == 0  # alice's prompt does not speed up bob's
+    drafted = ort_engine.generate(req(second, "pc:alice", block=4))
+    assert drafted.stats.cached_prompt_tokens == 0  # the drafter reads every prompt row's features
+    again = ort_engine.generate(req(second, "pc:alice"))
+    n = len(ort_engine.prompt_ids(req(second, "pc:alice")))
+    assert 16 <= again.stats.cached_prompt_tokens < n and ort_engine.prefixes.hits > hits
+    kept, ort_engine.prefixes = ort_engine.prefixes, None
+    try:
+        assert ort_engine.generate(req(second, "pc:carol")).output_ids == again.output_ids == other.output_ids
+    finally:
+        ort_engine.prefixes = kept
+    assert ort_engine.prefixes.status()["bytes"] <= ort_engine.prefixes.cap_bytes
+
+
 def test_bad_model_files_are_clean_errors(tmp_path, smol_dir, ort_target):
     from tests.conftest import assert_bad_target
 

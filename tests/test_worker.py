@@ -33,6 +33,8 @@ def test_status_and_hello(worker):
     s = call(worker, "status")
     assert s["protocol"] == 1 and s["ready"] and s["in_flight"] == 0
     assert s["target"] == "tiny" and s["embedding_dim"] == 384
+    assert s["workload_memory"]["cap_bytes"] > 0 and s["workload_memory"]["bytes"] >= 0
+    assert s["prefix_cache"] is None  # the tiny target is a transformers one: it prefills every prompt
     assert call(worker, "hello")["protocol"] == 1
 
 

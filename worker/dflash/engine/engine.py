@@ -25,6 +25,7 @@ from dflash.engine.knobs import PolicyConfig
 from dflash.engine.sampling import SamplingParams, argmax_rows
 from dflash.engine.costs import CostCurve, Prices, load_or_measure
 from dflash.engine.drafter import DFlashDrafter
+from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.policy import BlockPolicy, Prior, explain
 from dflash.engine.proposers.dflash import NAME as DFLASH
 from dflash.engine.proposers.dflash import DFlashProposer, DrafterInUse
@@ -285,6 +286,9 @@ class Engine(RequestChecks):
         self.dflash = DFlashProposer(target, drafter, drafter_name, drafter_sha256, self.draft_dtype, self.draft_vocab,
                                      self.draft_runtime)
         self.workloads = WorkloadMemory()
+        # Finished requests' prompts kept in the target's K/V memory for their workload's next
+        # ones, where the backend's cached rows are exact to reuse (dflash.engine.prefix_cache).
+        self.prefixes = PrefixCache(target) if PrefixCache.supported(target) else None
         self.suffix = SuffixProposer(self.workloads, policy_config.calibration_bins)
         self.policy_config = policy_config
         self.cost_dir = cost_dir
@@ -422,6 +426,9 @@ class Engine(RequestChecks):
             state.proposals[DFLASH] = self.dflash.start(state)
         if policy is not None and req.proposals and SUFFIX in allowed:
             state.proposals[SUFFIX] = self.suffix.start(state)
+        if self.prefixes is not None and workload is not None and DFLASH not in state.proposals:
+            # (the drafter reads the features of every prompt row: a copied row has none)
+            state.prefilled = state.stats.cached_prompt_tokens = self.prefixes.reuse(workload, prompt_ids, state.seq)
         return state
 
     def steps_expected(self, req: GenerationRequest) -> int:
@@ -466,8 +473,19 @@ class Engine(RequestChecks):
         results = step_mod.step(self, states, budget)
         for state in states:
             if state.done:  # its KV memory is not needed again: free it now, not when its call ends
-                self.target.free(state.seq)
+                self._retire(state)
         return results
+
+    def _retire(self, state: DecodeState) -> None:
+        """A finished request's K/V memory: kept by the prefix cache for its workload's next
+        prompts where it can be (the state gets an empty sequence), else freed."""
+        if self.prefixes is not None and state.workload is not None:
+            cached = state.length - 1  # every committed token but the last has its row cached
+            if state.seq.length >= cached and self.prefixes.keep(
+                    state.workload, (state.prompt_ids + state.output_ids)[:cached], state.seq):
+                state.seq = self.target.new_sequence()
+                return
+        self.target.free(state.seq)
 
     def release(self, state: DecodeState) -> None:
         """Free a state's memory (a request that ends early: cancelled, past its deadline)."""

@@ -9,6 +9,10 @@ from dataclasses import dataclass
 # and the tokens one step may take while others decode (a prefill chunk gets what is left).
 DEFAULT_MAX_BATCH = 16
 DEFAULT_STEP_TOKENS = 128
+# The prefix cache (dflash.engine.prefix_cache): K/V memory its kept sequences may hold in
+# all, and the fewest leading prompt tokens worth copying instead of prefilling.
+PREFIX_CACHE_MB = 128.0
+PREFIX_MIN_TOKENS = 16
 
 
 # Precisions by name (dflash.engine.dtypes maps them to torch's): the target's and the

@@ -37,6 +37,7 @@ class GenerationStats:
     block_size: int  # the largest verify length allowed (fixed size, or the drafter's for auto)
     policy: str = "fixed"  # "fixed" | "auto"
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, copied from the prefix cache instead of prefilled
     new_tokens: int = 0
     steps: list[StepRecord] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
@@ -106,6 +107,7 @@ class GenerationStats:
             "block_size": self.block_size,
             "block_policy": self.policy,
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "new_tokens": self.new_tokens,
             "num_steps": self.num_steps,
             "drafting_steps": self.drafting_steps,

@@ -107,7 +107,7 @@ class WorkloadMemory:
 
     @property
     def size_bytes(self) -> int:
-        return sum(w.size_bytes for w in self.workloads.values())
+        return sum(w.size_bytes for w in list(self.workloads.values()))  # (a snapshot: status reads it from another thread)
 
     def clear(self) -> None:
         self.workloads.clear()

@@ -378,6 +378,11 @@ class Worker:
                 "ready": not self.stopping.is_set(),
                 "drafter_sha256": self.engine.drafter_sha256,
                 "learn": self.learner.status() if self.learner is not None else None,
+                # the suffix proposer's memory of each workload's past outputs (dflash.engine.workloads)
+                "workload_memory": self.engine.workloads.status() if hasattr(self.engine, "workloads") else None,
+                # prompts kept in the target's K/V memory for their workload's next ones
+                # (dflash.engine.prefix_cache; None: the backend cannot reuse cached rows exactly)
+                "prefix_cache": self.engine.prefixes.status() if getattr(self.engine, "prefixes", None) else None,
             }
 
 

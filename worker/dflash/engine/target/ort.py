@@ -160,6 +160,23 @@ class OrtTarget(BorrowedHead):
     def rollback(seq: OrtSequence, length: int) -> None:
         seq.length = min(seq.length, length)
 
+    def copy_prefix(self, src: OrtSequence, dst: OrtSequence, n: int) -> None:
+        """`dst` (nothing cached) caches the first `n` tokens of `src`: their K/V rows
+        copied. Exact: a row's K/V do not depend on the calls it was computed in (module
+        doc), so the rows are what prefilling the same tokens in `dst` would write."""
+        if dst.length or not 0 < n <= src.length:
+            raise ValueError(f"copy_prefix: {n} rows of a sequence of {src.length} into one of {dst.length}")
+        self._reserve(dst, n + MIN_ROWS)
+        for store, source in ((dst.keys, src.keys), (dst.values, src.values)):
+            for layer in range(self.num_layers):
+                store[layer][:, :, :n] = source[layer][:, :, :n]
+        dst.length = n
+
+    @staticmethod
+    def kv_bytes(seq: OrtSequence) -> int:
+        """The memory a sequence's K/V buffers hold."""
+        return sum(a.nbytes for a in seq.keys) + sum(a.nbytes for a in seq.values)
+
     def forward_batch(self, rows: list[TargetRow], layer_ids: tuple[int, ...] = ()) -> TargetOutput:
         for i in layer_ids:
             if not 0 <= i < self.num_layers:

@@ -75,6 +75,12 @@ class Target(Protocol):
     def rollback(self, seq: Sequence, length: int) -> None:
         """Forget cached positions >= length (rejected drafts)."""
 
+    # Optional, for the prefix cache (dflash.engine.prefix_cache), where a backend's cached
+    # rows are exactly what prefilling the same tokens again would give (the ort backend):
+    #   copy_prefix(src, dst, n): a new sequence `dst` caches the first n tokens of `src`;
+    #   kv_bytes(seq): the memory a kept sequence holds.
+    # A backend without them prefills every prompt whole.
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
 
     def head_weight(self) -> torch.Tensor:
