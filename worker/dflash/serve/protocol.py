@@ -45,11 +45,13 @@ def workload_key(role: str, source_table_oid: int | None = None) -> str:
 
 
 def wants_workload(params: dict) -> bool:
-    """Whether a generation drafts from its workload's memory: proposals on (the default)
-    with block length auto, and not a seeded sample (the memory changes from call to call,
-    and with it which random draws a sample uses; the same seed must give the same output)."""
-    return params.get("proposals", True) is not False and params.get("block_size") is None and params.get(
-        "seed") is None
+    """Whether a generation is sent as part of its workload: its answer joins the workload's
+    memory, its prompt may start from the rows an earlier prompt of the workload left in the
+    target's cache (the prefix cache: exact, proposals or not), and with proposals on (the
+    default) it drafts from the memory. With block length auto, and not a seeded sample (the
+    memory changes from call to call, and with it which random draws a sample uses; the
+    same seed must give the same output)."""
+    return params.get("block_size") is None and params.get("seed") is None
 
 
 def wants_prior(params: dict) -> bool:
