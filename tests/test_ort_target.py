@@ -311,6 +311,26 @@ def test_a_workloads_next_prompt_reuses_its_shared_start_and_decodes_the_same(or
     assert ort_engine.prefixes.status()["bytes"] <= ort_engine.prefixes.cap_bytes
 
 
+def test_rows_that_arrive_together_copy_their_template_from_the_one_before(ort_engine):
+    """A table's rows inserted at once are admitted together and prefill one after another
+    (the step's token budget): each copies the template's rows from one that has cached them,
+    and every answer is what it is alone."""
+    from dflash.engine.engine import GenerationRequest
+
+    head = "Write a one-line reply to this customer, thanking them and naming their order number. Customer: "
+    prompts = [head + name for name in ("Lena Ortiz, order 10482.", "Sam Park, order 10483.", "Ada Byte, order 7.")]
+    ort_engine.workloads.load("pc:table", [])
+    # (the suffix proposer alone: a request the drafter runs in prefills every row for its features)
+    reqs = [GenerationRequest(prompt=p, chat=True, max_new_tokens=10, workload="pc:table", proposers=("suffix",))
+            for p in prompts]
+    together = ort_engine.generate_many(reqs, budget=32)
+    cached = [r.stats.cached_prompt_tokens for r in together]
+    assert cached[0] == 0 and all(c >= 16 for c in cached[1:]), cached
+    for p, res in zip(prompts, together):
+        alone = ort_engine.generate(GenerationRequest(prompt=p, chat=True, max_new_tokens=10, block_size=1))
+        assert res.output_ids == alone.output_ids
+
+
 def test_bad_model_files_are_clean_errors(tmp_path, smol_dir, ort_target):
     from tests.conftest import assert_bad_target
 

@@ -77,6 +77,17 @@ def test_the_cap_frees_the_least_recently_used_and_a_longer_run_replaces_its_sta
     assert _kept(cache, "w", [1, 2])[1] is False  # too short to be worth keeping
 
 
+def test_a_running_request_of_the_workload_is_copied_from_too():
+    t = Target()
+    cache = PrefixCache(t, cap_bytes=10_000, min_tokens=4)
+    _kept(cache, "w", list(range(8)))
+    running = Seq(20)
+    prompt = list(range(12)) + [99]
+    assert cache.reuse("w", prompt, Seq(), live=[(list(range(20)), running)]) == 12
+    assert t.copies[-1] == (running.serial, 12)
+    assert cache.reuse("w", prompt, Seq(), live=[(list(range(3)), running)]) == 8  # the kept one is longer
+
+
 def test_an_entry_larger_than_the_cap_is_not_kept():
     cache = PrefixCache(Target(row_bytes=1000), cap_bytes=5000, min_tokens=2)
     seq, ok = _kept(cache, "w", list(range(10)))
@@ -84,5 +95,15 @@ def test_an_entry_larger_than_the_cap_is_not_kept():
 
 
 def test_common_prefix():
+    import random
+
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert common_prefix([], [1]) == 0 and common_prefix([1, 2], [1, 2]) == 2
+    assert common_prefix([], [1]) == 0 and common_prefix([1, 2], [1, 2]) == 2 and common_prefix([1], [2]) == 0
+    rng = random.Random(7)
+    for _ in range(200):  # the binary search against the obvious loop
+        a = [rng.randrange(3) for _ in range(rng.randrange(12))]
+        b = a[:rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(5))]
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        assert common_prefix(a, b) == n

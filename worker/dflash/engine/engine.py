@@ -470,11 +470,31 @@ class Engine(RequestChecks):
         """One step for every state (none done): one target forward for all of them.
         `budget`: the most tokens that forward may take (prefill chunks fill what decoding
         leaves; None: whole prompts at once)."""
+        if self.prefixes is not None:
+            self._share_prompts(states, budget)
         results = step_mod.step(self, states, budget)
         for state in states:
             if state.done:  # its KV memory is not needed again: free it now, not when its call ends
                 self._retire(state)
         return results
+
+    def _share_prompts(self, states: list[DecodeState], budget: int | None) -> None:
+        """The requests whose prefill may start this step (the step's prompt chunks go first
+        come first served, within `budget`) copy the longest run of leading prompt tokens
+        that a kept sequence or a request of the same workload in this step has cached: the
+        rows of a table inserted at once prefill one after another, and each finds the
+        template's rows in the one before it (dflash.engine.prefix_cache)."""
+        ahead = 0  # prompt tokens still to prefill of the requests before it
+        for state in [s for s in states if s.prefilling]:
+            if budget is not None and ahead >= budget:
+                break
+            if not state.prefilled and not state.seq.length and state.workload is not None \
+                    and DFLASH not in state.proposals:
+                live = [((o.prompt_ids + o.output_ids)[:o.seq.length], o.seq) for o in states
+                        if o is not state and o.workload == state.workload and o.seq.length]
+                state.prefilled = state.stats.cached_prompt_tokens = self.prefixes.reuse(
+                    state.workload, state.prompt_ids, state.seq, live)
+            ahead += len(state.prompt_ids) - state.prefilled
 
     def _retire(self, state: DecodeState) -> None:
         """A finished request's K/V memory: kept by the prefix cache for its workload's next

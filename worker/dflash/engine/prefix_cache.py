@@ -7,7 +7,10 @@ earlier prompt of the suite. Prefilling them again costs about a verify row each
 So a finished request's target sequence is kept (its prompt and answer, the rows the target
 cached) instead of freed, and a new request of the same workload whose prompt begins with
 the same tokens has those rows copied into its own sequence and prefills only the rest
-(vLLM's automatic prefix caching, at the grain of whole requests).
+(vLLM's automatic prefix caching, at the grain of whole requests). Requests of a workload
+that arrive together (a table's rows inserted at once) prefill one after another, so one
+about to start its prefill also copies from those of its step that have cached the same
+start already.
 
 - Exact, where used: only a backend whose cached rows are what prefilling the same tokens
   again would give offers it (`Target.copy_prefix`: the ort backend, where a row's numbers do
@@ -39,12 +42,19 @@ class _Kept:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
+    """How many leading tokens `a` and `b` share (a binary search over list slices, which
+    compare in C: a step may look through a few dozen prompts)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class PrefixCache:
@@ -61,21 +71,28 @@ class PrefixCache:
     def supported(target) -> bool:
         return callable(getattr(target, "copy_prefix", None)) and callable(getattr(target, "kv_bytes", None))
 
-    def reuse(self, workload: str, prompt_ids: list[int], seq) -> int:
-        """Copy into `seq` (nothing cached) the longest run of leading prompt tokens a kept
-        sequence of `workload` caches, if at least `min_tokens`, and never the prompt's last
-        token (its row gives the first token's logits); how many tokens `seq` now caches."""
-        best, n = None, 0
+    def reuse(self, workload: str, prompt_ids: list[int], seq, live: list[tuple[list[int], object]] = ()) -> int:
+        """Copy into `seq` (nothing cached) the longest run of leading prompt tokens that a
+        kept sequence of `workload` caches, or one of `live` ((the tokens it caches, the
+        sequence): requests of the same workload still running), if at least `min_tokens`,
+        and never the prompt's last token (its row gives the first token's logits); how many
+        tokens `seq` now caches."""
+        best, source, n = None, None, 0
         for key, kept in self.kept.items():
             if kept.workload == workload:
                 m = common_prefix(kept.ids, prompt_ids)
                 if m > n:
-                    best, n = key, m
+                    best, source, n = key, kept.seq, m
+        for ids, other in live:
+            m = common_prefix(ids, prompt_ids)
+            if m > n:
+                best, source, n = None, other, m
         n = min(n, len(prompt_ids) - 1)
-        if best is None or n < self.min_tokens:
+        if source is None or n < self.min_tokens:
             return 0
-        self.kept.move_to_end(best)
-        self.target.copy_prefix(self.kept[best].seq, seq, n)
+        if best is not None:
+            self.kept.move_to_end(best)
+        self.target.copy_prefix(source, seq, n)
         self.hits += 1
         self.reused_tokens += n
         return n
