@@ -426,9 +426,6 @@ class Engine(RequestChecks):
             state.proposals[DFLASH] = self.dflash.start(state)
         if policy is not None and req.proposals and SUFFIX in allowed:
             state.proposals[SUFFIX] = self.suffix.start(state)
-        if self.prefixes is not None and workload is not None and DFLASH not in state.proposals:
-            # (the drafter reads the features of every prompt row: a copied row has none)
-            state.prefilled = state.stats.cached_prompt_tokens = self.prefixes.reuse(workload, prompt_ids, state.seq)
         return state
 
     def steps_expected(self, req: GenerationRequest) -> int:
@@ -483,7 +480,8 @@ class Engine(RequestChecks):
         come first served, within `budget`) copy the longest run of leading prompt tokens
         that a kept sequence or a request of the same workload in this step has cached: the
         rows of a table inserted at once prefill one after another, and each finds the
-        template's rows in the one before it (dflash.engine.prefix_cache)."""
+        template's rows in the one before it (dflash.engine.prefix_cache). Not a request the
+        drafter runs in: it reads the features of every prompt row, and a copied row has none."""
         ahead = 0  # prompt tokens still to prefill of the requests before it
         for state in [s for s in states if s.prefilling]:
             if budget is not None and ahead >= budget:

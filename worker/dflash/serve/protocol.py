@@ -44,21 +44,26 @@ def workload_key(role: str, source_table_oid: int | None = None) -> str:
     return f"role:{role}" if source_table_oid is None else f"table:{source_table_oid}:role:{role}"
 
 
-def wants_workload(params: dict) -> bool:
-    """Whether a generation is sent as part of its workload: its answer joins the workload's
-    memory, its prompt may start from the rows an earlier prompt of the workload left in the
-    target's cache (the prefix cache: exact, proposals or not), and with proposals on (the
-    default) it drafts from the memory. With block length auto, and not a seeded sample (the
-    memory changes from call to call, and with it which random draws a sample uses; the
-    same seed must give the same output)."""
+def _workload_steers(params: dict) -> bool:
+    """Whether what a workload did before may steer a generation: only with block length
+    auto (no block_size), and not when a seed asks for a reproducible sample (the workload's
+    prior and memory change from call to call, and with them which random draws a sample
+    uses; the same seed must give the same output)."""
     return params.get("block_size") is None and params.get("seed") is None
+
+
+def wants_workload(params: dict) -> bool:
+    """Whether a generation is sent as part of its workload (`_workload_steers`): its answer
+    joins the workload's memory, its prompt may start from the rows an earlier prompt of
+    the workload left in the target's cache (the prefix cache: exact, proposals or not), and
+    with proposals on (the default) it drafts from the memory."""
+    return _workload_steers(params)
 
 
 def wants_prior(params: dict) -> bool:
-    """Whether a generation should start from its workload's pooled acceptance: only with
-    block length auto (no block_size), and not when a seed asks for a reproducible sample
-    (the prior steers the block lengths, and so which random draws are used)."""
-    return params.get("block_size") is None and params.get("seed") is None
+    """Whether a generation should start from its workload's pooled acceptance, which steers
+    its block lengths (`_workload_steers`)."""
+    return _workload_steers(params)
 
 
 class ProtocolError(Exception):
