@@ -69,5 +69,7 @@ def test_table_sets_the_ceiling_beside_what_was_reached():
                 "suffix_ceiling": {"tau": 2.4, "speedup": 1.77}},
                {"suite": "code", "method": "suffix", "speedup_vs_ar": 1.31}]
     table = ceiling_table(results)
-    assert "| code | 2.40 | 1.77 | 1.31 | - |" in table
+    assert "| code | 2.40 | 1.77 | - | 1.31 | - |" in table
+    results[0]["suffix_replay"] = {"speedup": 1.52}
+    assert "| code | 2.40 | 1.77 | 1.52 | 1.31 | - |" in ceiling_table(results)
     assert ceiling_table([{"suite": "code", "method": "ar"}]) == ""

@@ -16,7 +16,7 @@ from dflash.engine.proposers.suffix_index import SuffixIndex, propose_from
 
 
 def reference(docs: list[list[int]], context: list[int], max_tokens: int, min_match: int = 1,
-              max_context: int = 32, prior: float = 1.0):
+              max_context: int = 32, prior: float = 1.0, per_context: bool = False):
     """The definition, by brute force: every (document, position) with a next token, its
     backward match with the context; the longest; then the most-frequent-next walk."""
     ctx = context[-max_context:] if max_context > 0 else []
@@ -44,7 +44,7 @@ def reference(docs: list[list[int]], context: list[int], max_tokens: int, min_ma
         c = max(counts.values())
         t = min(tok for tok, n in counts.items() if n == c)
         tokens.append(t)
-        conf.append(c / (len(nxt) + prior))
+        conf.append(c / (len(nxt) + (prior / (best + i) if per_context else prior)))
         live = [(doc, p) for doc, p in live if p + i < len(doc) and doc[p + i] == t]
     return tokens, conf, best
 
@@ -139,6 +139,23 @@ def test_one_occurrence_gives_its_tokens_at_half_confidence():
     ix.add("d", [3, 1, 4, 1, 5, 9, 2, 6])
     tokens, conf, n = ix.propose([8, 5], 4)
     assert tokens == [9, 2, 6] and conf == pytest.approx([0.5] * 3) and n == 1
+
+
+def test_per_context_confidence_grows_with_the_context_agreed_on():
+    ix = SuffixIndex()
+    ix.add("d", [3, 1, 4, 1, 5, 9, 2, 6])
+    # one occurrence of "5" (a one-token match): the pseudo-count 1 over 1, 2, 3 agreed tokens
+    tokens, conf, n = ix.propose([8, 5], 4, per_context=True)
+    assert tokens == [9, 2, 6] and n == 1 and conf == pytest.approx([1 / 2, 1 / 1.5, 1 / (1 + 1 / 3)])
+    # "4 1 5" matches three tokens: 1 / (1 + 1/3), then 1 / (1 + 1/4) ...
+    _, conf, n = ix.propose([4, 1, 5], 2, per_context=True)
+    assert n == 3 and conf == pytest.approx([0.75, 0.8])
+    # counts still count: two occurrences that disagree after a two-token match
+    ix2 = SuffixIndex()
+    ix2.add("a", [1, 2, 10])
+    ix2.add("b", [1, 2, 11])
+    _, conf, n = ix2.propose([1, 2], 1, per_context=True)
+    assert n == 2 and conf == pytest.approx([1 / (2 + 1 / 2)])
 
 
 # ---- updates -------------------------------------------------------------------------------
@@ -333,8 +350,8 @@ ops = st.lists(
 @given(ops=ops, levels=st.sampled_from([(1,), (1, 4, 16), (2, 3), (1, 2, 5, 9)]), tail=st.sampled_from([1, 3, 8192]),
        queries=st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=12), st.integers(1, 7), st.integers(1, 3),
                                   st.integers(1, 10)), min_size=1, max_size=8),
-       split=st.booleans())
-def test_matches_brute_force(ops, levels, tail, queries, split):
+       split=st.booleans(), per_context=st.booleans())
+def test_matches_brute_force(ops, levels, tail, queries, split, per_context):
     indexes = [SuffixIndex(levels=levels, tail_max=tail)]
     if split:  # documents spread over two indexes, queried together
         indexes.append(SuffixIndex(levels=levels, tail_max=tail))
@@ -366,6 +383,6 @@ def test_matches_brute_force(ops, levels, tail, queries, split):
     for ctx, max_tokens, min_match, max_context in queries:
         for own in list(docs.values())[-1:]:  # also the newest document's own text, as a request's context
             check(indexes, list(docs.values()), own, max_tokens=max_tokens, min_match=min_match,
-                  max_context=max_context)
+                  max_context=max_context, per_context=per_context)
         check(indexes, list(docs.values()), ctx, max_tokens=max_tokens, min_match=min_match,
-              max_context=max_context)
+              max_context=max_context, per_context=per_context)

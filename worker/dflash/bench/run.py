@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from dflash.bench.ceiling import ceiling_table, suffix_ceiling
+from dflash.bench.replay import replay_suffix
 from dflash.bench.llamacpp import is_peer_method, is_speculative_peer, peer_notes
 from dflash.engine.costs import cpu_name
 from dflash.engine.engine import Engine, GenerationRequest, dtype_name
@@ -349,8 +350,10 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
             if r["method"] == "ar" and fp32 is not None and engine.target.backend != "hf":
                 r["fp32_agreement"] = sum(a == b for a, b in zip(outputs["ar"], fp32)) / len(fp32)
             if r["method"] == "ar" and any(m in methods for m in (SUFFIX, "dflash-auto")):
-                r["suffix_ceiling"] = suffix_ceiling(prompts, outputs["ar"], engine.cost_curve.verify_s,
-                                                     [(s.wall_s, s.prefill_s) for s in samples["ar"]])
+                timings = [(s.wall_s, s.prefill_s) for s in samples["ar"]]
+                r["suffix_ceiling"] = suffix_ceiling(prompts, outputs["ar"], engine.cost_curve.verify_s, timings)
+                r["suffix_replay"] = replay_suffix(prompts, outputs["ar"], engine.cost_curve.verify_s, timings,
+                                                   max_new, getattr(engine, "policy_config", None))
     log.close()
     if peer is not None:
         peer.close()

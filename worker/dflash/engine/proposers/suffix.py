@@ -30,6 +30,14 @@ MAX_CONTEXT = 32  # the longest suffix looked up
 # 1 instead of 2 raised the `suffix` method's speedup over plain steps from 1.70 to 1.83 on
 # agent, 2.05 to 2.15 on code, 1.25 to 1.30 on chat and 2.11 to 2.25 on `repetitive`.
 MIN_MATCH = 1
+# Confidences shrink with the context agreed on (suffix_index, `per_context`): a chain after a
+# one-token match and one after a match of 16 tokens, each from one earlier occurrence, were
+# kept 21-44 % and 87-98 % of the time, and both said 0.5 before. On the bench's suites (ort,
+# Zen 4, 128 new tokens; `python -m dflash.bench.replay` of one run) the `suffix` method's τ
+# rose from 2.02 to 2.09 on code, 1.24 to 1.29 on chat, 1.70 to 1.86 on agent and 2.11 to 2.27
+# on `repetitive`, its replayed speedup from 1.53 to 1.55, 1.14 to 1.18, 1.45 to 1.51 and 1.57
+# to 1.60 (docs/benchmarks.md has the runs).
+PER_CONTEXT = True
 SPEC_FACTOR = 2  # a chain is at most this many times as long as the match it continues
 MAX_POOLS = 256  # workloads whose pooled calibration is kept (least recently used dropped)
 
@@ -43,7 +51,7 @@ def chain(indexes: list[SuffixIndex], prompt_ids: list[int], output_ids: list[in
     context = output_ids[-MAX_CONTEXT:] if out_n >= MAX_CONTEXT else (
         prompt_ids[-(MAX_CONTEXT - out_n):] + output_ids)
     tokens, confidence, match = propose_from(indexes, context, max_tokens, min_match=MIN_MATCH,
-                                             max_context=MAX_CONTEXT)
+                                             max_context=MAX_CONTEXT, per_context=PER_CONTEXT)
     return tokens[: SPEC_FACTOR * match], confidence[: SPEC_FACTOR * match]
 
 
