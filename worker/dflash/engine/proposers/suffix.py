@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dflash.engine.proposers.protocol import Draft
@@ -108,7 +109,8 @@ class SuffixProposer:
             indexes = [ps.own] if ps.workload is None else [ps.own, ps.workload.index]
             tokens, confidence = chain(indexes, state.prompt_ids, state.output_ids, D - 1)
             self._price(time.perf_counter() - t)
-            out.append(Draft(torch.tensor(tokens, dtype=torch.long), None, list(confidence)))
+            # (from numpy: torch.tensor of a short list took ~55 us a step in the loop, this ~18)
+            out.append(Draft(torch.from_numpy(np.array(tokens, dtype=np.int64)), None, list(confidence)))
         return out
 
     def _pool(self, workload) -> tuple[list[float], list[float]]:
