@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from dflash.bench.args import add_bench_args
 from dflash.errors import DFlashError
 from dflash.loading import RANDOM_DRAFTER_WARNING, add_backend_args, add_model_args, check_backend_args
 from dflash.loading import engine_from_args
@@ -303,22 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="every method on the same prompts: speed, tau, greedy agreement")
     add_model_args(p)
-    p.add_argument("--suites", default="code,chat,agent",
-                   help="built-in suites (code, chat, agent, repetitive), comma-separated; none: only --prompts")
-    p.add_argument("--prompts", action="append", default=[], metavar="FILE.jsonl",
-                   help='one more suite, named after the file: {"prompt": ...} per line, run whole, in file order, '
-                        "as one workload (repeatable; --limit does not apply)")
-    p.add_argument("--methods", default="ar-hf,ar,dflash-4,dflash-8,dflash-16,dflash-auto,suffix,prompt-lookup,"
-                   "assisted-ar",
-                   help="ar, dflash-N, dflash-auto (every proposer), suffix (the suffix proposer alone), ar-hf, "
-                        "prompt-lookup, assisted-ar, llamacpp-*")
-    p.add_argument("--assistant", help="AR draft model for assisted-ar: a transformers folder or a stored "
-                   "assistant (default: the shipped one, for the default target)")
-    p.add_argument("--limit", type=int, help="prompts per suite (default: all)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--out", default="bench-out")
-    p.add_argument("--resume", action="store_true",
-                   help="reuse the generations journaled in OUT/samples.jsonl by an interrupted run with the same settings")
+    add_bench_args(p)
     p.set_defaults(func=cmd_bench)
 
     from dflash.engine.knobs import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS

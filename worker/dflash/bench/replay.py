@@ -110,14 +110,18 @@ def replay_run(run_dir: Path) -> list[dict]:
     `suffix` and `dflash-auto` speedups."""
     from transformers import AutoTokenizer
 
-    from dflash.cli import build_parser
+    from dflash.bench.args import add_bench_args
+    from dflash.loading import add_model_args
     from dflash.model_files import ensure_default_target
     from dflash.suites import load_prompts_file, load_suite
 
     report = json.loads((run_dir / "results.json").read_text())
     if "verify_s" not in report:
         raise SystemExit(f"{run_dir}: the run used no cost curve (no suffix or dflash method)")
-    args = build_parser().parse_args(shlex.split(report["command"])[1:])
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    add_bench_args(parser)
+    args = parser.parse_args(shlex.split(report["command"])[2:])  # after "dflash bench"
     tokenizer = AutoTokenizer.from_pretrained(args.target or ensure_default_target(quiet=True))
     journal: dict[tuple[str, int], dict] = {}
     for line in (run_dir / "samples.jsonl").read_text().splitlines():
