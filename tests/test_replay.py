@@ -87,3 +87,5 @@ def test_a_bench_run_is_replayed_from_its_folder(tmp_path, smol_dir):
     (run / "samples.jsonl").write_text(json.dumps(rows[0]) + "\n")  # a prompt without its output
     with pytest.raises(SystemExit, match="no `ar` output"):
         replay_run(run)
+    with pytest.raises(SystemExit, match="no results.json"):
+        replay_run(tmp_path)

@@ -115,6 +115,9 @@ def replay_run(run_dir: Path) -> list[dict]:
     from dflash.model_files import ensure_default_target
     from dflash.suites import load_prompts_file, load_suite
 
+    missing = [f for f in ("results.json", "samples.jsonl") if not (run_dir / f).is_file()]
+    if missing:
+        raise SystemExit(f"{run_dir}: no {missing[0]} (not the --out folder of a `dflash bench` run)")
     report = json.loads((run_dir / "results.json").read_text())
     if "verify_s" not in report:
         raise SystemExit(f"{run_dir}: the run used no cost curve (no suffix or dflash method)")
