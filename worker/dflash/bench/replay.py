@@ -88,14 +88,14 @@ def _request(proposer: SuffixProposer, curve: CostCurve, cfg: PolicyConfig, prom
         most = min(max_new - i, policy.max_block)
         chain = proposer.propose([(state, most)])[0] if most > 1 else None
         policy.price(curve.solo())
-        who, n = policy.plan(chain.confidence if chain is not None and len(chain.tokens) else None,
-                             proposer.lookup_s, False, 0)
+        # No lookup price (the engine adds its measured one): the same inputs replay the same.
+        who, n = policy.plan(chain.confidence if chain is not None and len(chain.tokens) else None, 0.0, False, 0)
         drafts = chain.tokens[: n - 1].tolist() if who == NAME else []
         kept = 0
         while kept < len(drafts) and i + kept < len(output) and drafts[kept] == output[i + kept]:
             kept += 1
         if who == NAME:
-            policy.observe_suffix(chain.confidence, len(drafts) + 1, kept, proposer.lookup_s)
+            policy.observe_suffix(chain.confidence, len(drafts) + 1, kept, 0.0)
             proposer.learn(WORKLOAD, chain.confidence, len(drafts) + 1, kept)
         else:
             policy.observe([], 1, 0, 1)

@@ -35,8 +35,8 @@ MIN_MATCH = 1
 # one-token match and one after a match of 16 tokens, each from one earlier occurrence, were
 # kept 21-44 % and 87-98 % of the time, and both said 0.5 before. On the bench's suites (ort,
 # Zen 4, 128 new tokens; `python -m dflash.bench.replay` of one run) the `suffix` method's τ
-# rose from 2.02 to 2.09 on code, 1.24 to 1.29 on chat, 1.70 to 1.86 on agent and 2.11 to 2.27
-# on `repetitive`, its replayed speedup from 1.53 to 1.55, 1.14 to 1.18, 1.45 to 1.51 and 1.57
+# rose from 2.02 to 2.09 on code, 1.24 to 1.29 on chat, 1.69 to 1.85 on agent and 2.09 to 2.27
+# on `repetitive`, its replayed speedup from 1.53 to 1.55, 1.14 to 1.18, 1.45 to 1.51 and 1.56
 # to 1.60 (docs/benchmarks.md has the runs).
 PER_CONTEXT = True
 SPEC_FACTOR = 2  # a chain is at most this many times as long as the match it continues
