@@ -59,6 +59,9 @@ def assert_consistent(ix: SuffixIndex):
                 want[p] = lev.hash(tok[p - lev.k:p].tolist())
         got = [(int(p), int(k)) for keys, pos in lev.runs for k, p in zip(keys, pos)]
         got += [(int(p), int(k)) for k, p in zip(lev.tail_k[:lev.tail_n], lev.tail_p[:lev.tail_n])]
+        got += [(p, k) for k, ps in lev.recent.items() for p in ps]
+        assert lev.recent_n == sum(map(len, lev.recent.values()))
+        assert all(ps == sorted(ps) for ps in lev.recent.values())
         assert sorted(got) == sorted(want.items())
         for keys, pos in lev.runs:
             assert (np.diff(keys.astype(object)) >= 0).all()
