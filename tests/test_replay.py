@@ -39,12 +39,12 @@ def test_the_workload_memory_drafts_a_repeated_answer():
 def test_no_measured_price_enters_the_replay(monkeypatch):
     """The lookup's measured price is left out, so the same inputs replay the same, however
     slow the machine's lookups were."""
-    from dflash.engine.proposers.suffix import SuffixProposer
+    from dflash.engine.proposers.protocol import RunningPrice
 
     prompt = list(range(100, 160)) + [7, 8, 9] * 10
     args = ([prompt, prompt], [prompt[5:70], prompt[20:90]], [0.01 * (1 + 0.1 * L) for L in range(16)])
     fast = replay_suffix(*args)
-    monkeypatch.setattr(SuffixProposer, "_price", lambda self, seconds: setattr(self, "lookup_s", 1.0))
+    monkeypatch.setattr(RunningPrice, "add", lambda self, seconds: setattr(self, "s", 1.0))
     assert replay_suffix(*args) == fast
 
 

@@ -138,6 +138,21 @@ def expected_joint() -> torch.Tensor:
     return torch.stack([p1[x] * target_row((x,)) for x in range(V)])
 
 
+def two_token_law(target, prompt: list[int], params) -> dict[tuple[int, int], float]:
+    """The target's joint law of the first two sampled tokens after `prompt` (warped by
+    `params`), computed exactly from its distributions: {(x1, x2): probability}."""
+    from dflash.engine.sampling import warp
+
+    with torch.inference_mode():
+        p1 = warp(target.forward(torch.tensor(prompt), target.new_cache())[0][-1], params)
+        joint = {}
+        for x1 in torch.nonzero(p1).flatten().tolist():
+            p2 = warp(target.forward(torch.tensor(prompt + [x1]), target.new_cache())[0][-1], params)
+            for x2 in torch.nonzero(p2).flatten().tolist():
+                joint[(x1, x2)] = float(p1[x1] * p2[x2])
+    return joint
+
+
 def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor, z: float = 3.72) -> tuple[bool, str]:
     """Pearson chi-square against a 1e-4 critical value (Wilson-Hilferty); cells the
     target gives probability 0 must never be seen."""

@@ -11,7 +11,7 @@ from dflash.engine.engine import GenerationRequest
 from dflash.engine.workloads import WorkloadMemory
 from dflash.errors import DFlashError
 from tests.sqlenv import ALICE, BOB, alice, bob, connect, roles, scalar, su  # noqa: F401
-from tests.test_sampling import chi_square_ok
+from tests.test_sampling import chi_square_ok, two_token_law
 
 LOOP = [5, 6, 7, 8, 9, 10, 11] * 4  # a prompt that repeats itself
 
@@ -112,18 +112,9 @@ def free_verify_engine(tiny_engine):
 def test_sampling_with_suffix_drafts_follows_the_targets_law(free_verify_engine, verify):
     """Suffix drafts are point masses, verified by the strict rule: the joint law of the first
     two sampled tokens (of three, so the second can be a draft) is the target's (chi-square)."""
-    from dflash.engine.sampling import warp
-
     prompt, kw = LOOP[:14], dict(temperature=1.5, top_k=3, verify=verify)
     target = free_verify_engine.target
-    params = GenerationRequest(input_ids=prompt, **kw).sampling()
-    with torch.inference_mode():
-        p1 = warp(target.forward(torch.tensor(prompt), target.new_cache())[0][-1], params)
-        joint = {}
-        for x1 in torch.nonzero(p1).flatten().tolist():
-            p2 = warp(target.forward(torch.tensor(prompt + [x1]), target.new_cache())[0][-1], params)
-            for x2 in torch.nonzero(p2).flatten().tolist():
-                joint[(x1, x2)] = float(p1[x1] * p2[x2])
+    joint = two_token_law(target, prompt, GenerationRequest(input_ids=prompt, **kw).sampling())
     cells = sorted(joint)
     counts = torch.zeros(len(cells) + 1)
     drafted = 0

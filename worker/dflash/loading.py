@@ -68,13 +68,14 @@ TARGET_BACKENDS = ("auto", "hf", "llamacpp", "ort", "ort-q4_1")
 
 def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "float32", random_drafter=False,
                 cost_dir: Path | None = None, draft_dtype: str | None = None, target_backend: str = "auto",
-                target_gguf: Path | None = None, draft_vocab: str | None = "auto"):
+                target_gguf: Path | None = None, draft_vocab: str | None = "auto", head: str | None = "auto"):
     """An Engine over the target folder and the drafter (any format), on `device` in `dtype`.
     The target runs in `target_backend` (dflash.engine.target: hf, the reference; llamacpp,
     the GGUF `target_gguf` in llama.cpp; ort, an int8 ONNX export in ONNX Runtime; the last
     two on a CPU); auto takes the one this machine runs fastest (see `fastest_engine`).
     `draft_vocab`: the drafter's draft vocabulary (dflash.engine.draft_vocab: auto, full or
-    a file)."""
+    a file). `head`: the next-token head (dflash.engine.proposers.head): auto (the shipped
+    one, where it was made for the target and backend), none, or a folder."""
     import torch
 
     from dflash.engine import draft_vocab as vocab_file
@@ -94,10 +95,12 @@ def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "floa
     drafter, sha = load_versioned(drafter_dir, device=device, dtype=DTYPES[dtype])
     vocab = vocab_file.for_drafter(drafter_dir if Path(drafter_dir).is_dir() else None, draft_vocab)
     builders = target_builders(target_dir, device, dtype, target_gguf)
+    head_dir = head_folder(head)
 
     def engine_over(target, draft_dtype=draft_dtype):
         return Engine(target, drafter, drafter_name=Path(drafter_dir).name, random_drafter=random_drafter,
-                      cost_dir=cost_dir, drafter_sha256=sha, draft_dtype=draft_dtype, draft_vocab=vocab)
+                      cost_dir=cost_dir, drafter_sha256=sha, draft_dtype=draft_dtype, draft_vocab=vocab,
+                      head_dir=head_dir)
 
     if target_backend != "auto":
         target = builders[target_backend]()
@@ -241,6 +244,20 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
     return engine
 
 
+def head_folder(choice: str | None) -> Path | None:
+    """--head's folder: auto (the shipped head), none, or a folder holding one."""
+    from dflash.errors import DFlashError
+    from dflash.model_files import SHIPPED_HEAD
+
+    if choice in (None, "none"):
+        return None
+    if choice == "auto":
+        return SHIPPED_HEAD
+    if not (Path(choice) / "config.json").is_file():
+        raise DFlashError("bad_head", f"--head {choice}: no next-token head there (no config.json)")
+    return Path(choice)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="Hugging Face model folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", help="DFlash drafter: folder in the published layout, .gguf (llama.cpp's layout) or "
@@ -261,6 +278,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", default="auto", metavar="auto|full|FILE",
                    help="tokens the drafter may propose: auto (its folder's draft_vocab.json if it has one, else "
                         "all), full, or a draft_vocab.json (dflash.train.draft_vocab makes one)")
+    p.add_argument("--head", default="auto", metavar="auto|none|DIR",
+                   help="the next-token head that guesses one token where nothing else proposes (block length "
+                        "auto): auto (the shipped one, where it was made for the target and backend), none, or a "
+                        "folder (python -m dflash.train.next_head makes one)")
 
 
 BACKENDS = ("native", "openai")
@@ -322,4 +343,5 @@ def engine_from_args(args):
     gguf = getattr(args, "target_gguf", None) or (_default_gguf() if args.target is None else None)
     return load_engine(target, drafter, device=args.device, dtype=args.dtype, random_drafter=is_random,
                        cost_dir=cost_dir(), draft_dtype=args.draft_dtype, draft_vocab=getattr(args, "draft_vocab", "auto"),
-                       target_backend=getattr(args, "target_backend", "auto"), target_gguf=gguf)
+                       target_backend=getattr(args, "target_backend", "auto"), target_gguf=gguf,
+                       head=getattr(args, "head", "auto"))

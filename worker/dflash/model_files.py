@@ -30,6 +30,8 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHIPPED_DRAFTER = Path(__file__).parent / "assets" / "drafters" / f"{DEFAULT_TARGET_NAME}-dflash-b16"
 # The autoregressive draft model for the `assisted-ar` benchmark baseline (layers only).
 SHIPPED_ASSISTANT = Path(__file__).parent / "assets" / "assistants" / f"{DEFAULT_TARGET_NAME}-ar4"
+# The next-token head (dflash.engine.proposers.head; made by dflash.train.next_head).
+SHIPPED_HEAD = Path(__file__).parent / "assets" / "heads" / f"{DEFAULT_TARGET_NAME}-next"
 RANDOM_DRAFTER_NAME = f"random-drafter-{DEFAULT_TARGET_NAME}"
 MARKER = "pg_dflash.json"
 

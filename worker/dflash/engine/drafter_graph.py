@@ -191,6 +191,24 @@ def head_graph(weight: np.ndarray, bits: int = 8, block: int = 32):
     return _quantized(_model(graph), bits, block)
 
 
+def next_head_graph(proj: np.ndarray, bias: np.ndarray, gain: np.ndarray, out: np.ndarray, eps: float,
+                    bits: int = 8, block: int = 32):
+    """The next-token head (dflash.engine.proposers.head) after its input norm: x [N, 2H] ->
+    logits [N, K], its projection and output embeddings as 8-bit MatMulNBits."""
+    from onnx import TensorProto, helper
+
+    g = _Graph()
+    u = g.op("Add", [g.op("MatMul", ["x", g.init("proj.weight", np.asarray(proj, dtype=np.float32).T)]),
+                     g.init("proj.bias", bias)])
+    z = g.op("SimplifiedLayerNormalization", [u, g.init("gain", gain)], axis=-1, epsilon=eps)
+    logits = g.op("MatMul", [z, g.init("out.weight", np.asarray(out, dtype=np.float32).T)])
+    graph = helper.make_graph(g.nodes, "dflash_next_head",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", proj.shape[1]])],
+                              [helper.make_tensor_value_info(logits, TensorProto.FLOAT, ["N", out.shape[0]])],
+                              initializer=g.inits)
+    return _quantized(_model(graph), bits, block)
+
+
 class OnnxHead:
     """The draft head run by ONNX Runtime. Not PyTorch's int8 Linear: FBGEMM's OpenMP threads
     spin on after it, into the target's verify forward that follows every draft (measured on

@@ -29,6 +29,8 @@ from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.policy import BlockPolicy, Prior, explain
 from dflash.engine.proposers.dflash import NAME as DFLASH
 from dflash.engine.proposers.dflash import DFlashProposer, DrafterInUse
+from dflash.engine.proposers import head as head_mod
+from dflash.engine.proposers.head import NAME as HEAD
 from dflash.engine.proposers.suffix import NAME as SUFFIX
 from dflash.engine.proposers.suffix import SuffixProposer
 from dflash.engine.state import DecodeState, StepResult
@@ -268,6 +270,7 @@ class Engine(RequestChecks):
         draft_dtype: str | torch.dtype | None = None,
         draft_vocab: torch.Tensor | None = None,
         draft_runtime: str | None = None,
+        head_dir: str | Path | None = None,
     ):
         check_compatible(target, drafter.config)
         self.target = target
@@ -290,6 +293,9 @@ class Engine(RequestChecks):
         # ones, where the backend's cached rows are exact to reuse (dflash.engine.prefix_cache).
         self.prefixes = PrefixCache(target) if PrefixCache.supported(target) else None
         self.suffix = SuffixProposer(self.workloads, policy_config.calibration_bins)
+        # The next-token head (block length auto), where `head_dir` holds one made for this
+        # target and backend; None otherwise.
+        self.head = head_mod.for_target(target, head_dir)
         self.policy_config = policy_config
         self.cost_dir = cost_dir
         self._cost_curve = cost_curve
@@ -419,13 +425,15 @@ class Engine(RequestChecks):
             stops=StopStrings(self.decode, req.stop) if req.stop else None,
             workload=workload,
         )
-        allowed = set(req.proposers) if req.proposers is not None else {DFLASH, SUFFIX}
+        allowed = set(req.proposers) if req.proposers is not None else {DFLASH, SUFFIX, HEAD}
         if policy is not None and policy.drafter_sits_out(len(prompt_ids), self.steps_expected(req)):
             allowed.discard(DFLASH)  # auto would not run it here: no features, no lookups for it
         if block > 1 and (DFLASH in allowed or fixed is not None):  # a fixed block size: the drafter's
             state.proposals[DFLASH] = self.dflash.start(state)
         if policy is not None and req.proposals and SUFFIX in allowed:
             state.proposals[SUFFIX] = self.suffix.start(state)
+        if policy is not None and self.head is not None and HEAD in allowed:
+            state.proposals[HEAD] = self.head.start(state)
         return state
 
     def steps_expected(self, req: GenerationRequest) -> int:

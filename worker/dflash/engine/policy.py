@@ -117,6 +117,10 @@ class BlockPolicy:
         self.s_cal_acc = [0] * cfg.calibration_bins
         self.s_cal_n = [0] * cfg.calibration_bins
         self.s_prior = suffix_prior or ([0.0] * cfg.calibration_bins, [0.0] * cfg.calibration_bins)
+        # The next-token head's one-token guesses (proposers/head.py), calibrated the same way
+        # on their own outcomes by their softmax peak.
+        self.g_cal_acc = [0] * cfg.calibration_bins
+        self.g_cal_n = [0] * cfg.calibration_bins
         if self.max_block > 1 and prior.judged and prior.judged[0] >= cfg.informed_prior_steps:
             values = self.draft_values()
             if max(range(len(values)), key=lambda i: (values[i], -i)) == 0:
@@ -276,11 +280,13 @@ class BlockPolicy:
         return best
 
     def plan(self, suffix: list[float] | None, suffix_s: float, dflash: bool = True,
-             pending_rows: int = 0) -> tuple[str | None, int]:
+             pending_rows: int = 0, guess: list[float] | None = None) -> tuple[str | None, int]:
         """Who drafts this step: ("suffix", L) verifies L - 1 tokens of the suffix proposer's
         chain (whose per-position confidences are `suffix`, at a lookup price of `suffix_s`
-        seconds, already paid); ("dflash", D) runs the drafter over D positions (L chosen
-        after, from its confidence); (None, 1) is a plain step. The most expected net tokens
+        seconds, already paid); ("head", 2) verifies the next-token head's guess (its
+        confidence `guess`, asked only where there is no chain); ("dflash", D) runs the
+        drafter over D positions (L chosen after, from its confidence); (None, 1) is a plain
+        step. The most expected net tokens
         wins, except that the drafter's due probes still run (steps the suffix proposer
         drafts count as plain ones for its schedule), so a drafter that would do better is
         found even where the suffix proposer always has something to offer."""
@@ -293,6 +299,10 @@ class BlockPolicy:
             L, v = self.suffix_verify(suffix)
             if L > 1 and v > value:
                 best, value = ("suffix", L), v
+        elif guess:
+            L, v = self.guess_verify(guess)
+            if L > 1 and v > value:
+                best, value = ("head", L), v
         if dflash:
             D = self.draft_length()
             # The drafter's due probe (it must learn too), the rarer the more requests share the
@@ -307,25 +317,40 @@ class BlockPolicy:
     def suffix_verify(self, confidences: list[float]) -> tuple[int, float]:
         """(L, value) for a suffix chain: its confidences calibrated by this request's
         outcomes of suffix drafts at similar confidence."""
+        return self._point_mass_verify(confidences, self.s_cal_acc, self.s_cal_n, self.s_prior)
+
+    def guess_verify(self, confidences: list[float]) -> tuple[int, float]:
+        """(L, value) for the next-token head's guess, calibrated on its own outcomes."""
+        return self._point_mass_verify(confidences, self.g_cal_acc, self.g_cal_n, None)
+
+    def _point_mass_verify(self, confidences: list[float], cal_acc: list, cal_n: list, prior) -> tuple[int, float]:
         cfg = self.cfg
         k, trust = cfg.suffix_strength, cfg.suffix_trust
-        pa, pn = self.s_prior
+        pa, pn = prior or (None, None)
         acc = []
         for c in confidences[: self.max_block - 1]:
             b = self._bin(c)
-            acc.append((self.s_cal_acc[b] + pa[b] + k * trust * c) / (self.s_cal_n[b] + pn[b] + k))
+            extra_a, extra_n = (pa[b], pn[b]) if prior else (0.0, 0.0)
+            acc.append((cal_acc[b] + extra_a + k * trust * c) / (cal_n[b] + extra_n + k))
         values = self._verify_values(acc + [0.0] * (self.max_block - 1 - len(acc)), self.rate)[: len(acc) + 1]
         L = max(range(len(values)), key=lambda i: (values[i], -i)) + 1
         return L, values[L - 1]
 
     def observe_suffix(self, confidences: list[float], verify_len: int, accepted: int, suffix_s: float) -> None:
         """A suffix-drafted step's outcome; for the drafter's schedule it was a plain step."""
+        self._observe_point_mass(confidences, verify_len, accepted, suffix_s, self.s_cal_acc, self.s_cal_n)
+
+    def observe_guess(self, confidences: list[float], verify_len: int, accepted: int, guess_s: float) -> None:
+        """A step that verified the head's guess; for the drafter's schedule a plain step."""
+        self._observe_point_mass(confidences, verify_len, accepted, guess_s, self.g_cal_acc, self.g_cal_n)
+
+    def _observe_point_mass(self, confidences, verify_len, accepted, price_s, cal_acc, cal_n) -> None:
         self.tokens += accepted + 1
-        self.cost += self.prices.verify_s[verify_len - 1] + suffix_s
+        self.cost += self.prices.verify_s[verify_len - 1] + price_s
         for i in range(min(accepted + 1, verify_len - 1)):
             b = self._bin(confidences[i])
-            self.s_cal_n[b] += 1
-            self.s_cal_acc[b] += i < accepted
+            cal_n[b] += 1
+            cal_acc[b] += i < accepted
         self.plain_run += 1
 
     def verify_length(self, confidences: list[float]) -> int:

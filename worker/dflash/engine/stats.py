@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from dflash.engine.proposers.names import POINT_MASS
+
 
 def pooled_tau(accepted: int, steps: int) -> float | None:
     """τ, the mean acceptance length: accepted drafts + 1 per step, pooled over steps. The
@@ -63,7 +65,7 @@ class GenerationStats:
             c["steps"] += 1
             c["drafted"] += len(draft_ids)
             c["accepted"] += accepted
-        if proposer == "suffix":
+        if proposer in POINT_MASS:
             return  # the per-position counts are the drafter's: block length auto's workload prior
         _add_at(self.accepted_per_position, accepted)
         # Position i is judged when it was verified and positions < i were all accepted.

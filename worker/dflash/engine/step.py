@@ -24,6 +24,7 @@ import time
 import torch
 
 from dflash.engine.proposers.dflash import NAME as DFLASH
+from dflash.engine.proposers.head import NAME as HEAD
 from dflash.engine.proposers.suffix import NAME as SUFFIX
 from dflash.engine.sampling import argmax_rows, sample, verify_greedy, verify_probabilistic, verify_strict, warp
 from dflash.engine.state import DecodeState, StepResult
@@ -75,7 +76,7 @@ class _Plan:
         self.state = state
         self.anchor = state.output_ids[-1]
         self.draft_len = draft_len
-        self.proposer = proposer if draft_len > 1 else None  # who drafts: dflash, suffix, or nobody
+        self.proposer = proposer if draft_len > 1 else None  # who drafts: dflash, suffix, head, or nobody
         self.drafts = _NO_DRAFTS
         self.probs = None
         self.confidence: list[float] = []
@@ -96,13 +97,18 @@ def _plan(state: DecodeState, engine) -> _Plan | None:
     chain = None
     if SUFFIX in state.proposals and most > 1:  # free to look at: see it before choosing
         chain = engine.suffix.propose([(state, most)])[0]
+    has_chain = chain is not None and len(chain.tokens) > 0
+    guess = None
+    if not has_chain and HEAD in state.proposals and most > 1:  # nothing to continue: the head's guess
+        guess = engine.head.propose([(state, 2)])[0]
     pending = sum(t.shape[0] for t in state.proposals[DFLASH].pending) if DFLASH in state.proposals else 0
-    who, n = policy.plan(chain.confidence if chain is not None and len(chain.tokens) else None,
-                         engine.suffix.lookup_s, DFLASH in state.proposals, pending)
-    if who == "suffix":
+    who, n = policy.plan(chain.confidence if has_chain else None, engine.suffix.lookup_s, DFLASH in state.proposals,
+                         pending, guess.confidence if guess is not None and len(guess.tokens) else None)
+    if who in (SUFFIX, HEAD):
+        got = chain if who == SUFFIX else guess
         n = min(n, most)
-        plan = _Plan(state, n, SUFFIX)
-        plan.drafts, plan.confidence = chain.tokens[: n - 1], chain.confidence[: n - 1]
+        plan = _Plan(state, n, who)
+        plan.drafts, plan.confidence = got.tokens[: n - 1], got.confidence[: n - 1]
         return plan
     return _Plan(state, min(n, most), DFLASH if who == "dflash" else None)
 
@@ -184,11 +190,11 @@ def step(engine, states: list[DecodeState], budget: int | None = None, min_chunk
         p.draft_list = p.drafts.tolist()
         ids = [p.state.output_ids[-1]] + p.draft_list
         rows.append(TargetRow(p.state.seq, ids, len(ids)))
-        layers[id(p.state)] = _layers(p.state, dflash)
+        layers[id(p.state)] = _layers(p.state, engine)
     for state, n in chunks:
         last = state.prefilled + n == len(state.prompt_ids)
         rows.append(TargetRow(state.seq, state.prompt_ids[state.prefilled : state.prefilled + n], 1 if last else 0))
-        layers[id(state)] = _layers(state, dflash)
+        layers[id(state)] = _layers(state, engine)
     union = tuple(dict.fromkeys(j for ls in layers.values() for j in ls))
     out = target.forward_batch(rows, union) if rows else None
     verify_s = time.perf_counter() - t
@@ -206,14 +212,14 @@ def step(engine, states: list[DecodeState], budget: int | None = None, min_chunk
             if p.proposer == SUFFIX:
                 state.policy.observe_suffix(p.confidence, verify_len, accepted, engine.suffix.lookup_s)
                 engine.suffix.learn(state.workload, p.confidence, verify_len, accepted)
+            elif p.proposer == HEAD:
+                state.policy.observe_guess(p.confidence, verify_len, accepted, engine.head.guess_s)
             else:
                 state.policy.observe(p.confidence, verify_len, accepted, p.draft_len)
         # The anchor and the kept drafts are now in the target's cache; their features are
         # what the drafter sees next.
         target.rollback(state.seq, start + accepted + 1)
-        feats = _features(out, i, layers[id(state)], union)
-        if DFLASH in state.proposals:
-            dflash.observe(state, feats[: accepted + 1] if feats is not None else None)
+        _observe(engine, state, out, i, union, accepted + 1)
         committed = commit(state, draft_list[:accepted] + [nxt])
         if p.proposer == DFLASH:
             state.stats.draft_s += draft_s
@@ -222,8 +228,7 @@ def step(engine, states: list[DecodeState], budget: int | None = None, min_chunk
                                         state.finish_reason, proposer=p.proposer)
     for j, (state, n) in enumerate(chunks):
         i = len(plans) + j
-        if DFLASH in state.proposals:
-            dflash.observe(state, _features(out, i, layers[id(state)], union))
+        _observe(engine, state, out, i, union, None)
         state.prefilled += n
         committed = []
         if not state.prefilling:  # the prompt is cached: its last row gives the first token
@@ -242,5 +247,18 @@ def step(engine, states: list[DecodeState], budget: int | None = None, min_chunk
     return [results[id(s)] for s in states]
 
 
-def _layers(state: DecodeState, dflash) -> tuple[int, ...]:
-    return dflash.layers_of(state) if DFLASH in state.proposals else ()
+def _proposers(state: DecodeState, engine) -> list:
+    """The state's proposers that read target features."""
+    return [p for name, p in ((DFLASH, engine.dflash), (HEAD, engine.head)) if name in state.proposals]
+
+
+def _layers(state: DecodeState, engine) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(j for p in _proposers(state, engine) for j in p.layers_of(state)))
+
+
+def _observe(engine, state: DecodeState, out, i: int, union: tuple[int, ...], rows: int | None) -> None:
+    """Hand each feature-reading proposer its layers' features of the first `rows` rows of
+    forward row i (None: all), the rows that entered the target's cache for good."""
+    for proposer in _proposers(state, engine):
+        feats = _features(out, i, proposer.layers_of(state), union)
+        proposer.observe(state, feats[:rows] if feats is not None and rows is not None else feats)

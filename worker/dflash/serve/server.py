@@ -350,6 +350,8 @@ class Worker:
                 "dtype": _dtype_name(self.engine.target.dtype),
                 "draft_dtype": _dtype_name(self.engine.draft_dtype),
                 "draft_runtime": getattr(self.engine, "draft_runtime", None),  # torch, or onnx (one ONNX Runtime graph)
+                # the next-token head's training record (None: no head for this target and backend)
+                "head": (self.engine.head.w.config.get("heldout") if getattr(self.engine, "head", None) else None),
                 # tokens the drafter may propose (None: the whole vocabulary; dflash.engine.draft_vocab)
                 "draft_vocab": None if getattr(self.engine, "draft_vocab", None) is None
                 else int(self.engine.draft_vocab.numel()),

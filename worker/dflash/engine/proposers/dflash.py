@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash.engine.drafter import DraftCache, DraftPart
+from dflash.engine.proposers.names import DFLASH
 from dflash.engine.proposers.protocol import Draft
 from dflash.engine.sampling import argmax_rows, peak_probs, sample, warp
 from dflash.engine.versions import label as version_label
 from dflash.engine.versions import model_digest
 
-NAME = "dflash"
+NAME = DFLASH
 
 
 class DraftHead:

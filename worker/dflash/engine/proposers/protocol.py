@@ -32,6 +32,19 @@ class Draft:
     confidence: list[float] | None  # per position, in [0, 1]; None when nobody asked
 
 
+class RunningPrice:
+    """A proposer's measured price per call, seconds: the mean of its first 100 calls, then a
+    mean that follows the last hundred or so."""
+
+    def __init__(self, start_s: float):
+        self.s = start_s
+        self.calls = 0
+
+    def add(self, seconds: float) -> None:
+        self.calls += 1
+        self.s += (seconds - self.s) / min(self.calls, 100)
+
+
 class Proposer(Protocol):
     name: str
 

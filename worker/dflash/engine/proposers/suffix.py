@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash.engine.proposers.protocol import Draft
+from dflash.engine.proposers.names import SUFFIX
+from dflash.engine.proposers.protocol import Draft, RunningPrice
 from dflash.engine.proposers.suffix_index import SuffixIndex, propose_from
 
-NAME = "suffix"
+NAME = SUFFIX
 SELF = 0  # the document id of the request's own tokens in its index
 MAX_CONTEXT = 32  # the longest suffix looked up
 # The shortest match that proposes. 1: even a one-token match proposes what most often
@@ -70,8 +71,7 @@ class SuffixProposer:
     def __init__(self, workloads, bins: int = 10):
         self.workloads = workloads
         self.bins = bins
-        self.lookup_s = 2e-4  # a running mean of one proposal's price, seconds
-        self.lookups = 0
+        self.price = RunningPrice(2e-4)  # one proposal's
         # Outcomes of its drafts by confidence bin, pooled over a workload's requests (decayed,
         # so they follow it): the start of each new request's calibration. Per workload (None:
         # requests without one), because how often a memory's continuation is right is a
@@ -108,7 +108,7 @@ class SuffixProposer:
             self.observe(state)
             indexes = [ps.own] if ps.workload is None else [ps.own, ps.workload.index]
             tokens, confidence = chain(indexes, state.prompt_ids, state.output_ids, D - 1)
-            self._price(time.perf_counter() - t)
+            self.price.add(time.perf_counter() - t)
             # (from numpy: torch.tensor of a short list took ~55 us a step in the loop, this ~18)
             out.append(Draft(torch.from_numpy(np.array(tokens, dtype=np.int64)), None, list(confidence)))
         return out
@@ -137,7 +137,6 @@ class SuffixProposer:
         scale = [min(1.0, strength / x) if x > 0 else 0.0 for x in n]
         return [a * s for a, s in zip(acc, scale)], [x * s for x, s in zip(n, scale)]
 
-    def _price(self, seconds: float) -> None:
-        self.lookups += 1
-        w = 1.0 / min(self.lookups, 100)
-        self.lookup_s += (seconds - self.lookup_s) * w
+    @property
+    def lookup_s(self) -> float:
+        return self.price.s

@@ -1,0 +1,187 @@
+"""The next-token head (dflash.engine.proposers.head): its file, its guess, the policy's use
+of it, and the engine's output with it (greedy: the target's; sampled: the target's law)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.engine.engine import GenerationRequest
+from dflash.engine.proposers import head as head_mod
+from dflash.errors import DFlashError
+from tests.test_sampling import chi_square_ok, two_token_law
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+
+
+def _random_head(folder, target, vocab=None, seed=0, backends=("hf",)):
+    torch.manual_seed(seed)
+    H = target.hidden_size
+    head = head_mod.NextHead(H, torch.rand(H) + 0.5)
+    with torch.no_grad():
+        head.proj.weight.normal_(0, 0.5)
+    vocab = list(range(2, target.vocab_size)) if vocab is None else vocab
+    head_mod.save(folder, head, vocab, {"target": target.name, "backends": list(backends),
+                                        "layer": target.num_layers - 1})
+    return head, vocab
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny target and drafter with a random head made for them (backend hf)."""
+    from dflash.engine.drafter import init_random_drafter
+    from dflash.engine.engine import Engine
+    from tests.conftest import cpu_like_costs, make_tiny_target, tiny_drafter_config
+
+    target = make_tiny_target()
+    folder = tmp_path_factory.mktemp("head")
+    _random_head(folder, target)
+    engine = Engine(target, init_random_drafter(tiny_drafter_config(), seed=1, std=0.3), "tiny-drafter",
+                    cost_curve=cpu_like_costs(), head_dir=folder)
+    return engine, folder
+
+
+def test_a_head_file_reads_back_and_a_bad_one_is_a_clean_error(tmp_path, tiny):
+    engine, folder = tiny
+    w = head_mod.load(folder)
+    H = engine.target.hidden_size
+    assert w.proj.shape == (H, 2 * H) and w.vocab[0] == 2 and head_mod.fits(w, engine.target)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / head_mod.CONFIG_FILE).write_text((folder / head_mod.CONFIG_FILE).read_text())
+    (bad / head_mod.WEIGHTS_FILE).write_bytes(b"not safetensors")
+    with pytest.raises(DFlashError) as err:
+        head_mod.load(bad)
+    assert err.value.code == "bad_head" and str(bad) in err.value.message
+    (bad / head_mod.WEIGHTS_FILE).write_bytes((folder / head_mod.WEIGHTS_FILE).read_bytes())
+    (bad / head_mod.CONFIG_FILE).write_text(json.dumps({"format": 99}))
+    with pytest.raises(DFlashError, match="not a next-token head"):
+        head_mod.load(bad)
+
+
+def test_a_head_loads_only_for_its_target_and_backends(tmp_path, tiny):
+    engine, _ = tiny
+    _random_head(tmp_path / "ort-only", engine.target, backends=("ort",))
+    assert head_mod.for_target(engine.target, tmp_path / "ort-only") is None
+    assert head_mod.for_target(engine.target, tmp_path / "nothing-here") is None
+    assert engine.head is not None
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_the_guess_is_the_trained_modules_argmax_with_its_softmax_peak(tmp_path, tiny, bits):
+    """Inference (its ONNX Runtime graph, fp32) computes what training (the torch module) does;
+    with 8-bit weights (what the engine runs) nearly so."""
+    engine, _ = tiny
+    target = engine.target
+    head, vocab = _random_head(tmp_path / "h", target, vocab=[9, 3, 17, 4, 30, 12], seed=3)
+    proposer = head_mod.for_target(target, tmp_path / "h", bits=bits)
+    state = engine.admit(GenerationRequest(input_ids=PROMPT, max_new_tokens=4))
+    state.output_ids.append(21)
+    residual = torch.randn(target.hidden_size)
+    state.proposals[head_mod.NAME] = proposer.start(state)
+    proposer.observe(state, torch.stack([torch.randn(target.hidden_size), residual]))  # the last row counts
+    draft = proposer.propose([(state, 2)])[0]
+    with torch.no_grad():
+        out = target.head_weight().float()[torch.tensor(vocab)]
+        p = head(residual[None], target.embed(torch.tensor([21])).float(), out).softmax(-1)[0]
+    assert draft.tokens.tolist() == [vocab[int(p.argmax())]] and draft.probs is None
+    assert draft.confidence[0] == pytest.approx(float(p.max()), rel=1e-4 if bits is None else 0.05)
+    engine.release(state)
+
+
+def test_no_residual_yet_no_guess(tiny):
+    engine, _ = tiny
+    state = engine.admit(GenerationRequest(input_ids=PROMPT, max_new_tokens=4))
+    assert engine.head.propose([(state, 2)])[0].tokens.numel() == 0
+    engine.release(state)
+
+
+def test_the_policy_verifies_a_guess_only_where_it_pays():
+    from dflash.engine.costs import CostCurve
+    from dflash.engine.knobs import PolicyConfig
+    from dflash.engine.policy import BlockPolicy, Prior
+
+    cfg = PolicyConfig()
+
+    def policy(verify_s):
+        curve = CostCurve(verify_s, [0.0] * len(verify_s))
+        return BlockPolicy(curve, 8, Prior.default(7, cfg), cfg)
+
+    cheap = policy([1.0, 1.03] + [1.5] * 6)  # a second row nearly free (ort: a plain step runs two)
+    assert cheap.plan(None, 0.0, False, 0, [0.3]) == ("head", 2)
+    assert cheap.plan([0.9, 0.9], 0.0, False, 0, [0.9])[0] == "suffix"  # a chain, when there is one
+    dear = policy([1.0, 2.0] + [2.5] * 6)
+    assert dear.plan(None, 0.0, False, 0, [0.3]) == (None, 1)
+    # Its outcomes calibrate it: guesses at 0.9 that are never kept stop being verified.
+    for _ in range(60):
+        cheap.observe_guess([0.9], 2, 0, 0.0)
+    assert cheap.plan(None, 0.0, False, 0, [0.9]) == (None, 1)
+
+
+def test_greedy_with_guesses_is_the_targets_greedy_and_counts_them(tiny):
+    engine, folder = tiny
+    free = _free_verify(engine, folder)
+    for prompt in (PROMPT, [3, 4, 3, 4, 40, 41], list(range(20, 36))):
+        plain = engine.generate(GenerationRequest(input_ids=prompt, max_new_tokens=30, block_size=1))
+        res = free.generate(GenerationRequest(input_ids=prompt, max_new_tokens=30, proposers=("head",)))
+        assert res.output_ids == plain.output_ids
+        steps = res.stats.by_proposer["head"]["steps"]
+        assert steps > 0 and res.stats.by_proposer["head"]["drafted"] == steps  # one token a guess
+        assert res.stats.accepted_per_position == [0] * len(res.stats.accepted_per_position)  # not the drafter's
+
+
+def test_the_head_is_asked_only_where_the_suffix_proposer_has_nothing(tiny):
+    engine, folder = tiny
+    free = _free_verify(engine, folder)
+    loop = [5, 6, 7, 8, 9, 10, 11] * 4
+    res = free.generate(GenerationRequest(input_ids=loop, max_new_tokens=20, proposers=("suffix", "head")))
+    plain = engine.generate(GenerationRequest(input_ids=loop, max_new_tokens=20, block_size=1))
+    assert res.output_ids == plain.output_ids
+    assert res.stats.by_proposer.get("suffix", {}).get("steps", 0) > 0
+
+
+_FREE = {}
+
+
+def _free_verify(engine, folder):
+    """The same models and head where verifying more rows costs nothing, so guesses are verified."""
+    from dflash.engine.costs import CostCurve
+    from dflash.engine.engine import Engine
+
+    if folder not in _FREE:
+        _FREE[folder] = Engine(engine.target, engine.drafter, "tiny-drafter",
+                               cost_curve=CostCurve([1.0] * 8, [0.0] * 8), head_dir=folder)
+    return _FREE[folder]
+
+
+@pytest.mark.parametrize("verify", ["strict", "probabilistic"])
+def test_sampling_with_guesses_follows_the_targets_law(tiny, verify):
+    """Guesses are point masses, verified by the strict rule: the joint law of the first two
+    sampled tokens (of three, so the second can be a guess) is the target's (chi-square)."""
+    engine, folder = tiny
+    free = _free_verify(engine, folder)
+    prompt, kw = PROMPT, dict(temperature=1.5, top_k=3, verify=verify)
+    target = free.target
+    joint = two_token_law(target, prompt, GenerationRequest(input_ids=prompt, **kw).sampling())
+    cells = sorted(joint)
+    counts = torch.zeros(len(cells) + 1)
+    guessed = 0
+    for _ in range(100):
+        for res in free.generate_many([GenerationRequest(input_ids=prompt, max_new_tokens=3, proposers=("head",), **kw)
+                                       for _ in range(16)]):
+            key = tuple(res.output_ids[:2])
+            counts[cells.index(key) if key in joint else -1] += 1
+            guessed += res.stats.by_proposer.get("head", {}).get("drafted", 0)
+    assert guessed > 0
+    ok, why = chi_square_ok(counts, torch.tensor([joint[c] for c in cells] + [0.0]))
+    assert ok, why
+
+
+def test_rms_norm_matches_the_modules():
+    x, w = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32), np.arange(1, 9, dtype=np.float32)
+    t = torch.from_numpy(x)
+    want = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + head_mod.EPS) * torch.from_numpy(w)
+    np.testing.assert_allclose(head_mod.rms_norm(x, w), want.numpy(), rtol=1e-5)
