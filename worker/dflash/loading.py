@@ -246,6 +246,7 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
 
 def head_folder(choice: str | None) -> Path | None:
     """--head's folder: auto (the shipped head), none, or a folder holding one."""
+    from dflash.engine.proposers.head import CONFIG_FILE
     from dflash.errors import DFlashError
     from dflash.model_files import SHIPPED_HEAD
 
@@ -253,7 +254,7 @@ def head_folder(choice: str | None) -> Path | None:
         return None
     if choice == "auto":
         return SHIPPED_HEAD
-    if not (Path(choice) / "config.json").is_file():
+    if not (Path(choice) / CONFIG_FILE).is_file():
         raise DFlashError("bad_head", f"--head {choice}: no next-token head there (no config.json)")
     return Path(choice)
 

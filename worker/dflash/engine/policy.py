@@ -121,6 +121,7 @@ class BlockPolicy:
         # on their own outcomes by their softmax peak.
         self.g_cal_acc = [0] * cfg.calibration_bins
         self.g_cal_n = [0] * cfg.calibration_bins
+        self.g_prior = ([0.0] * cfg.calibration_bins, [0.0] * cfg.calibration_bins)  # no pooled outcomes
         if self.max_block > 1 and prior.judged and prior.judged[0] >= cfg.informed_prior_steps:
             values = self.draft_values()
             if max(range(len(values)), key=lambda i: (values[i], -i)) == 0:
@@ -321,17 +322,16 @@ class BlockPolicy:
 
     def guess_verify(self, confidences: list[float]) -> tuple[int, float]:
         """(L, value) for the next-token head's guess, calibrated on its own outcomes."""
-        return self._point_mass_verify(confidences, self.g_cal_acc, self.g_cal_n, None)
+        return self._point_mass_verify(confidences, self.g_cal_acc, self.g_cal_n, self.g_prior)
 
     def _point_mass_verify(self, confidences: list[float], cal_acc: list, cal_n: list, prior) -> tuple[int, float]:
         cfg = self.cfg
         k, trust = cfg.suffix_strength, cfg.suffix_trust
-        pa, pn = prior or (None, None)
+        pa, pn = prior
         acc = []
         for c in confidences[: self.max_block - 1]:
             b = self._bin(c)
-            extra_a, extra_n = (pa[b], pn[b]) if prior else (0.0, 0.0)
-            acc.append((cal_acc[b] + extra_a + k * trust * c) / (cal_n[b] + extra_n + k))
+            acc.append((cal_acc[b] + pa[b] + k * trust * c) / (cal_n[b] + pn[b] + k))
         values = self._verify_values(acc + [0.0] * (self.max_block - 1 - len(acc)), self.rate)[: len(acc) + 1]
         L = max(range(len(values)), key=lambda i: (values[i], -i)) + 1
         return L, values[L - 1]

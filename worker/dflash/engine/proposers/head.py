@@ -121,8 +121,7 @@ class HeadProposer:
 
     def __init__(self, target, weights: HeadWeights, bits: int | None = 8):
         self.w = weights
-        self.layer = target.num_layers - 1
-        self.layer_ids = (self.layer,)
+        self.layer_ids = (target.num_layers - 1,)
         from dflash.engine.drafter_graph import next_head_graph
         from dflash.engine.onnx_drafter import _session
 
