@@ -92,6 +92,34 @@ def test_the_guess_is_the_trained_modules_argmax_with_its_softmax_peak(tmp_path,
     engine.release(state)
 
 
+def test_several_states_are_guessed_in_one_call_as_each_alone(tiny):
+    """A batched step asks the head once for every state without a chain (one by one, eight
+    states spent ~10 % of the step on it); each guess is the one it gets asked alone, and a
+    state with no residual yet still gets none."""
+    engine, _ = tiny
+    head = engine.head
+    states = [engine.admit(GenerationRequest(input_ids=PROMPT, max_new_tokens=4)) for _ in range(4)]
+    for i, state in enumerate(states):
+        state.output_ids.append(20 + i)
+        if i != 2:
+            head.observe(state, torch.randn(2, engine.target.hidden_size, generator=torch.Generator().manual_seed(i)))
+    alone = [head.propose([(s, 2)])[0] for s in states]
+    calls = []
+    run = head.session.run
+    head.session.run = lambda *a, **k: calls.append(1) or run(*a, **k)
+    try:
+        together = head.propose([(s, 2) for s in states])
+    finally:
+        head.session.run = run
+    assert len(calls) == 1
+    assert [d.tokens.tolist() for d in together] == [d.tokens.tolist() for d in alone]
+    assert together[2].tokens.numel() == 0 and alone[0].tokens.numel() == 1
+    for a, b in zip(alone, together):
+        assert a.confidence == pytest.approx(b.confidence, rel=1e-5)
+    for state in states:
+        engine.release(state)
+
+
 def test_no_residual_yet_no_guess(tiny):
     engine, _ = tiny
     state = engine.admit(GenerationRequest(input_ids=PROMPT, max_new_tokens=4))

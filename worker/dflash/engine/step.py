@@ -82,28 +82,45 @@ class _Plan:
         self.confidence: list[float] = []
 
 
-def _plan(state: DecodeState, engine) -> _Plan | None:
-    """What a decoding state drafts this step (None when it has no room left: context)."""
+def _look(state: DecodeState, engine) -> tuple[int, object | None]:
+    """Before a state is priced: how many tokens it may verify this step (0: no room left in
+    the context) and the suffix proposer's chain, free to look at, so seen before choosing."""
     start = state.length - 1  # position of the anchor (the last committed token)
     # The sequence may not grow past the context: the last verify ends at position ctx - 2.
     room = engine.target.context_length - 1 - start
     if room < 1:
+        return 0, None
+    policy = state.policy
+    if policy is None:
+        return min(state.block_size, room), None
+    # auto never drafts what it could not commit
+    most = min(room, state.max_new_tokens - len(state.output_ids), policy.max_block)
+    if most < 2 or SUFFIX not in state.proposals:
+        return most, None
+    chain = engine.suffix.propose([(state, most)])[0]
+    return most, chain if len(chain.tokens) else None
+
+
+def _guesses(looked: list[tuple[DecodeState, int, object | None]], engine) -> dict[int, object]:
+    """The next-token head's guesses where a state has nothing to continue, all in one call
+    (by id of the state)."""
+    asked = [state for state, most, chain in looked
+             if chain is None and most > 1 and state.policy is not None and HEAD in state.proposals]
+    if not asked:
+        return {}
+    return {id(s): g for s, g in zip(asked, engine.head.propose([(s, 2) for s in asked])) if len(g.tokens)}
+
+
+def _plan(state: DecodeState, engine, most: int, chain, guess) -> _Plan | None:
+    """What a decoding state drafts this step (None when it has no room left: context)."""
+    if most < 1:
         return None
     policy = state.policy
     if policy is None:
-        return _Plan(state, min(state.block_size, room), DFLASH)
-    # auto never drafts what it could not commit
-    most = min(room, state.max_new_tokens - len(state.output_ids), policy.max_block)
-    chain = None
-    if SUFFIX in state.proposals and most > 1:  # free to look at: see it before choosing
-        chain = engine.suffix.propose([(state, most)])[0]
-    has_chain = chain is not None and len(chain.tokens) > 0
-    guess = None
-    if not has_chain and HEAD in state.proposals and most > 1:  # nothing to continue: the head's guess
-        guess = engine.head.propose([(state, 2)])[0]
+        return _Plan(state, most, DFLASH)
     pending = sum(t.shape[0] for t in state.proposals[DFLASH].pending) if DFLASH in state.proposals else 0
-    who, n = policy.plan(chain.confidence if has_chain else None, engine.suffix.lookup_s, DFLASH in state.proposals,
-                         pending, guess.confidence if guess is not None and len(guess.tokens) else None)
+    who, n = policy.plan(chain.confidence if chain is not None else None, engine.suffix.lookup_s,
+                         DFLASH in state.proposals, pending, guess.confidence if guess is not None else None)
     if who in (SUFFIX, HEAD):
         got = chain if who == SUFFIX else guess
         n = min(n, most)
@@ -155,10 +172,14 @@ def step(engine, states: list[DecodeState], budget: int | None = None, min_chunk
         chunks = _prefill_chunks(prefilling, None if budget is None else max(budget - len(decoding), min(min_chunk, budget)))
         prefill_tokens = sum(n for _, n in chunks)
     plans, extra = [], 0
-    for state in decoding:
+    # The free proposers first: every state's suffix chain, then the head's guesses for the
+    # states without one in one call (asked one by one, 8 states spent ~2 ms a step on it).
+    looked = [(state, *_look(state, engine)) for state in decoding]
+    guesses = _guesses(looked, engine)
+    for state, most, chain in looked:
         if state.policy is not None:
             state.policy.price(engine.prices(len(decoding), len(chunks), prefill_tokens + extra))
-        plan = _plan(state, engine)
+        plan = _plan(state, engine, most, chain, guesses.get(id(state)))
         if plan is None:
             state.finish_reason = "context"
             anchor = state.output_ids[-1]

@@ -154,24 +154,26 @@ class HeadProposer:
 
     def propose(self, items: list[tuple[object, int]]) -> list[Draft]:
         """One guessed token (D = 2) per state, with its softmax peak as the confidence; an
-        empty draft where the state has no residual yet."""
-        out = []
-        for state, _ in items:
-            t = time.perf_counter()
-            r = state.proposals[NAME].residual
-            if r is None:
-                out.append(Draft(torch.empty(0, dtype=torch.long), None, []))
-                continue
-            w = self.w
-            e = self.embed(torch.tensor([state.output_ids[-1]])).detach().float().numpy()[0]
-            x = np.concatenate([rms_norm(r, w.final_norm), e])[None]
-            logits = self.session.run(None, {"x": x})[0][0]
-            j = int(logits.argmax())
-            peak = float(1.0 / np.exp(logits - logits[j]).sum())
-            out.append(Draft(torch.tensor([int(w.vocab[j])]), None, [peak]))
-            self.price.add(time.perf_counter() - t)
+        empty draft where the state has no residual yet. All states' guesses in one call: a
+        call costs about what one guess does (~0.2 ms on a Zen 4), so eight states asked one
+        by one spent ~10 % of a batched step on it."""
+        t = time.perf_counter()
+        out = [Draft(torch.empty(0, dtype=torch.long), None, []) for _ in items]
+        ready = [i for i, (state, _) in enumerate(items) if state.proposals[NAME].residual is not None]
+        if not ready:
+            return out
+        w = self.w
+        last = torch.tensor([items[i][0].output_ids[-1] for i in ready])
+        e = self.embed(last).detach().float().numpy()
+        r = np.stack([items[i][0].proposals[NAME].residual for i in ready])
+        x = np.ascontiguousarray(np.concatenate([rms_norm(r, w.final_norm), e], axis=-1), dtype=np.float32)
+        logits = self.session.run(None, {"x": x})[0]
+        best = logits.argmax(axis=-1)
+        peaks = 1.0 / np.exp(logits - logits[np.arange(len(ready)), best][:, None]).sum(axis=-1)
+        for n, i in enumerate(ready):
+            out[i] = Draft(torch.tensor([int(w.vocab[best[n]])]), None, [float(peaks[n])])
+        self.price.add((time.perf_counter() - t) / len(ready))
         return out
-
 
 def for_target(target, folder: str | Path | None, bits: int | None = 8) -> HeadProposer | None:
     """The head in `folder` as a proposer for this target (its products in `bits`-bit weights,
