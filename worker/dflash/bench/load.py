@@ -2,6 +2,7 @@
 
     python -m dflash.bench.load --concurrency 1,2,4,8 --requests 16 --max-new-tokens 64 --out DIR
         [--socket PATH] [--via socket|sql --dsn DSN] [--suite chat] [--block-size N] [--threads N]
+        [--against-plain]
 
 Without --socket it starts its own worker (`dflash serve`, the default models, no embedder)
 on a temporary socket and stops it at the end. For each concurrency C, C clients send the
@@ -13,6 +14,12 @@ is counted, and its first diverging position reported. `--via sql` sends each re
 `SELECT dflash_generate_stats(...)` from C PostgreSQL sessions (the database's
 dflash.config socket_path must name the worker's socket; with a worker of its own the bench
 sets it, and puts it back after).
+
+`--against-plain` also sends every level's requests with block_size 1 (plain decoding) to
+the same worker, right before or after the auto ones (alternating by round), so the two
+share the machine's moment: each level's row then has `plain_tokens_per_s`, `vs_plain`
+(the medians' ratio) and `plain_mismatches_vs_solo`. On a VM whose speed drifts 10-20 %
+within minutes, two separate runs cannot tell a 3 % difference under load; this can.
 
 Writes DIR/load.json ({"runs": [{"concurrency", "tokens_per_s", "p50_latency_s",
 "p95_latency_s", "mismatches_vs_solo", ...}], ...}) and DIR/load.png.
@@ -208,13 +215,27 @@ def plot(report: dict, out: Path) -> None:
 
 
 def markdown(report: dict) -> str:
-    rows = ["| callers | tokens/s | × 1 caller | p50 latency s | p95 latency s | mismatches vs solo | errors |",
-            "|---|---|---|---|---|---|---|"]
+    plain = all("vs_plain" in r for r in report["runs"])
+    rows = ["| callers | tokens/s | × 1 caller | p50 latency s | p95 latency s | mismatches vs solo | errors |"
+            + (" plain tokens/s | × plain | plain mismatches |" if plain else ""),
+            "|---|---|---|---|---|---|---|" + ("---|---|---|" if plain else "")]
     base = report["runs"][0]["tokens_per_s"] or 1.0
     for r in report["runs"]:
         rows.append(f"| {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f} | "
-                    f"{r['p50_latency_s']:.2f} | {r['p95_latency_s']:.2f} | {r['mismatches_vs_solo']} | {r['errors']} |")
+                    f"{r['p50_latency_s']:.2f} | {r['p95_latency_s']:.2f} | {r['mismatches_vs_solo']} | {r['errors']} |"
+                    + (f" {r['plain_tokens_per_s']:.1f} | {r['vs_plain']:.3f} | {r['plain_mismatches_vs_solo']} |"
+                       if plain else ""))
     return "\n".join(rows) + "\n"
+
+
+def with_plain(run: dict, plain: dict) -> dict:
+    """A level's combined row with its plain-decoding twin's throughput beside it."""
+    run = dict(run)
+    run["plain_tokens_per_s"] = plain["tokens_per_s"]
+    run["vs_plain"] = run["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
+    run["plain_mismatches_vs_solo"] = plain["mismatches_vs_solo"]
+    run["plain_rounds"] = plain["rounds"]
+    return run
 
 
 def main(argv=None) -> int:
@@ -239,10 +260,14 @@ def main(argv=None) -> int:
     ap.add_argument("--target-backend", help="the started worker's target backend (default auto)")
     ap.add_argument("--target")
     ap.add_argument("--drafter")
+    ap.add_argument("--against-plain", action="store_true",
+                    help="also run every level with block_size 1 in the same worker, interleaved (module doc)")
     ap.add_argument("--out", default="bench-out/load")
     args = ap.parse_args(argv)
     if args.via == "sql" and not args.dsn:
         ap.error("--via sql needs --dsn")
+    if args.against_plain and args.block_size:
+        ap.error("--against-plain compares block length auto with plain decoding: leave out --block-size")
     levels = [int(c) for c in args.concurrency.split(",")]
     if any(c < 1 for c in levels):
         ap.error("--concurrency takes positive integers")
@@ -265,24 +290,34 @@ def main(argv=None) -> int:
                 caller = SocketCaller(sock)
             caller(dict(requests[0], max_new_tokens=4))  # warm up
             solo = None
-            rounds: dict[int, list[dict]] = {c: [] for c in levels}
+            modes = {"auto": requests}
+            if args.against_plain:
+                modes["plain"] = [dict(q, block_size=1) for q in requests]
+            rounds: dict[str, dict[int, list[dict]]] = {m: {c: [] for c in levels} for m in modes}
             for r in range(args.rounds):
                 # Every round runs every level, in turn forward and back, so a machine whose
-                # speed drifts during the run slows all levels alike.
+                # speed drifts during the run slows all levels alike; plain decoding's twin of
+                # a level runs right beside it, first in every other round.
                 order = ([1] if solo is None and 1 not in levels else []) + (levels if r % 2 == 0 else levels[::-1])
                 for c in order:
-                    run = run_level(caller, requests, c)
-                    if c == 1 and solo is None:
-                        solo = run["_results"]
-                    diffs = compare(solo, run["_results"])
-                    run["mismatches_vs_solo"] = len(diffs)
-                    run["differences"] = diffs
-                    if c in levels:
-                        rounds[c].append(run)
-                    print(f"round {r + 1}, concurrency {c}: {run['tokens_per_s']:.1f} tok/s, "
-                          f"p50 {run['p50_latency_s']:.2f} s, p95 {run['p95_latency_s']:.2f} s, {len(diffs)} mismatches, "
-                          f"{run['errors']} errors", file=sys.stderr, flush=True)
-            runs = [combine(rounds[c]) for c in levels]
+                    for mode in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
+                        if mode != "auto" and (solo is None or c not in levels):
+                            continue  # the reference run: auto alone, first
+                        run = run_level(caller, modes[mode], c)
+                        if c == 1 and solo is None:
+                            solo = run["_results"]
+                        diffs = compare(solo, run["_results"])
+                        run["mismatches_vs_solo"] = len(diffs)
+                        run["differences"] = diffs
+                        if c in levels:
+                            rounds[mode][c].append(run)
+                        print(f"round {r + 1}, concurrency {c}{'' if mode == 'auto' else ', plain'}: "
+                              f"{run['tokens_per_s']:.1f} tok/s, p50 {run['p50_latency_s']:.2f} s, "
+                              f"p95 {run['p95_latency_s']:.2f} s, {len(diffs)} mismatches, {run['errors']} errors",
+                              file=sys.stderr, flush=True)
+            runs = [combine(rounds["auto"][c]) for c in levels]
+            if args.against_plain:
+                runs = [with_plain(run, combine(rounds["plain"][c])) for run, c in zip(runs, levels)]
         finally:
             if restore is not None:
                 restore()
@@ -300,6 +335,7 @@ def main(argv=None) -> int:
         "suite": args.suite,
         "max_new_tokens": args.max_new_tokens,
         "block_size": args.block_size or "auto",
+        "against_plain": args.against_plain,
         "cpu": cpu_name(),
         "device": status.get("device"),
         "threads": status.get("threads"),
