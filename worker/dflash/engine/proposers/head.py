@@ -156,8 +156,8 @@ class HeadProposer:
     def propose(self, items: list[tuple[object, int]]) -> list[Draft]:
         """One guessed token (D = 2) per state, with its softmax peak as the confidence; an
         empty draft where the state has no residual yet. All states' guesses in one call: a
-        call costs about what one guess does (~0.2 ms on a Zen 4), so eight states asked one
-        by one spent ~10 % of a batched step on it."""
+        call of 8 rows costs little more than one of 1 (0.35 against 0.27 ms right after a
+        target forward, Zen 4); with 8 callers on chat that took 0.56 ms a step off."""
         t = time.perf_counter()
         ready = [i for i, (state, _) in enumerate(items) if state.proposals[NAME].residual is not None]
         out = [Draft(_NO_TOKENS, None, []) for _ in items]
@@ -173,6 +173,7 @@ class HeadProposer:
             out[i] = Draft(torch.tensor([int(w.vocab[best[n]])]), None, [float(peaks[n])])
         self.price.add((time.perf_counter() - t) / len(ready))
         return out
+
 
 def for_target(target, folder: str | Path | None, bits: int | None = 8) -> HeadProposer | None:
     """The head in `folder` as a proposer for this target (its products in `bits`-bit weights,
