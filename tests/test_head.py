@@ -89,6 +89,11 @@ def test_the_guess_is_the_trained_modules_argmax_with_its_softmax_peak(tmp_path,
         p = head(residual[None], target.embed(torch.tensor([21])).float(), out).softmax(-1)[0]
     assert draft.tokens.tolist() == [vocab[int(p.argmax())]] and draft.probs is None
     assert draft.confidence[0] == pytest.approx(float(p.max()), rel=1e-4 if bits is None else 0.05)
+    dist = proposer.distributions([state])[0]
+    assert dist.sum() == pytest.approx(1.0, rel=1e-5) and dist.max() == pytest.approx(draft.confidence[0])
+    # A token's probability by its target id; 0 outside the head's vocabulary (5, and 47 past its largest id).
+    assert proposer.probability_of(dist, np.array([3, 5, 47, 30])).tolist() == pytest.approx(
+        [dist[1], 0.0, 0.0, dist[4]])
     engine.release(state)
 
 
@@ -161,7 +166,7 @@ def test_greedy_with_guesses_is_the_targets_greedy_and_counts_them(tiny):
         assert res.stats.accepted_per_position == [0] * len(res.stats.accepted_per_position)  # not the drafter's
 
 
-def test_the_head_is_asked_only_where_the_suffix_proposer_has_nothing(tiny):
+def test_the_head_guesses_only_where_the_suffix_proposer_has_nothing(tiny):
     engine, folder = tiny
     free = _free_verify(engine, folder)
     loop = [5, 6, 7, 8, 9, 10, 11] * 4
@@ -169,6 +174,58 @@ def test_the_head_is_asked_only_where_the_suffix_proposer_has_nothing(tiny):
     plain = engine.generate(GenerationRequest(input_ids=loop, max_new_tokens=20, block_size=1))
     assert res.output_ids == plain.output_ids
     assert res.stats.by_proposer.get("suffix", {}).get("steps", 0) > 0
+
+
+AMBIGUOUS = [1, 5, 6, 7, 8, 30, 31, 32, 2, 5, 6, 7, 8, 30, 31, 32, 4, 5, 6, 7, 8, 40, 41, 42, 9, 5, 6, 7, 8]
+
+
+def test_one_head_call_guesses_and_chooses_a_chains_first_token(tiny):
+    """In a step the head is asked once: for a guess where a state has no chain, and for the
+    first token of a chain whose earlier occurrences went different ways (that chain is
+    replaced by the suffix proposer's `rechoose` with the head's probabilities, as alone)."""
+    from dflash.engine import step as step_mod
+    from dflash.engine.proposers.suffix import SuffixProposer
+
+    engine, _ = tiny
+    head, H = engine.head, engine.target.hidden_size
+    novel = engine.admit(GenerationRequest(input_ids=[43, 44, 45, 46], max_new_tokens=8))
+    torn = engine.admit(GenerationRequest(input_ids=AMBIGUOUS[:-1], max_new_tokens=8))
+    novel.output_ids.append(47)  # never seen before: no chain after it
+    torn.output_ids.append(AMBIGUOUS[-1])  # "5 6 7 8" again: two earlier went on with 30, one with 40
+    for i, state in enumerate((novel, torn)):
+        head.observe(state, torch.randn(1, H, generator=torch.Generator().manual_seed(i)))
+    looked = [(s, *step_mod._look(s, engine)) for s in (novel, torn)]
+    assert looked[0][2] is None and SuffixProposer.choices(torn) is not None
+    alone_probs = head.distributions([torn])[0]
+    alone = SuffixProposer.rechoose(torn, head.probability_of(alone_probs, SuffixProposer.choices(torn)))
+    calls = []
+    run = head.session.run
+    head.session.run = lambda *a, **k: calls.append(1) or run(*a, **k)
+    try:
+        guesses = step_mod._ask_head(looked, engine)
+    finally:
+        head.session.run = run
+    assert len(calls) == 1
+    assert list(guesses) == [id(novel)] and guesses[id(novel)].tokens.numel() == 1
+    assert looked[1][2].tokens.tolist() == alone.tokens.tolist()
+    assert looked[1][2].confidence == pytest.approx(alone.confidence, rel=1e-5)
+    for state in (novel, torn):
+        engine.release(state)
+
+
+def test_greedy_with_head_chosen_chains_is_the_targets_greedy(tiny, monkeypatch):
+    from dflash.engine.proposers.suffix import SuffixProposer
+
+    engine, folder = tiny
+    free = _free_verify(engine, folder)
+    asked = []
+    rechoose = SuffixProposer.rechoose
+    monkeypatch.setattr(SuffixProposer, "rechoose", staticmethod(lambda s, p: asked.append(1) or rechoose(s, p)))
+    for prompt in (AMBIGUOUS, AMBIGUOUS[::-1] + AMBIGUOUS):
+        plain = engine.generate(GenerationRequest(input_ids=prompt, max_new_tokens=24, block_size=1))
+        res = free.generate(GenerationRequest(input_ids=prompt, max_new_tokens=24, proposers=("suffix", "head")))
+        assert res.output_ids == plain.output_ids
+    assert asked
 
 
 _FREE = {}

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash.engine.proposers.suffix_index import SuffixIndex, propose_from
+from dflash.engine.proposers.suffix_index import SuffixIndex, continuations_from, propose_from
 
 
 def reference(docs: list[list[int]], context: list[int], max_tokens: int, min_match: int = 1,
@@ -70,11 +70,45 @@ def assert_consistent(ix: SuffixIndex):
     assert sum(n + 1 for _, n in ix._docs.values()) + 1 == ix._used
 
 
+def first_counts(docs: list[list[int]], context: list[int], max_context: int) -> Counter:
+    """By brute force: how often each token followed the longest match of context's suffix."""
+    ctx = context[-max_context:]
+    occ = []
+    for doc in docs:
+        for p in range(1, len(doc)):
+            e = 0
+            while e < len(ctx) and e < p and doc[p - 1 - e] == ctx[len(ctx) - 1 - e]:
+                e += 1
+            if e:
+                occ.append((doc[p], e))
+    best = max((e for _, e in occ), default=0)
+    return Counter(t for t, e in occ if e == best)
+
+
 def check(ix_docs, docs, context, **kw):
     got = ix_docs.propose(context, **kw) if isinstance(ix_docs, SuffixIndex) else propose_from(ix_docs, context, **kw)
     want = reference(docs, context, **kw)
     assert got[0] == want[0] and got[2] == want[2], (got, want)
     assert got[1] == pytest.approx(want[1])
+    # The first token chosen by someone else (the suffix proposer's head choice): the rest of
+    # the chain is the walk over the occurrences that went that way, i.e. what the reference
+    # proposes after the context with that token appended (where one of them goes on: else
+    # that reference matches less and proposes something else).
+    indexes = [ix_docs] if isinstance(ix_docs, SuffixIndex) else ix_docs
+    found = continuations_from(indexes, context, **kw)
+    assert (found is None) == (not got[0])
+    if found is not None and kw.get("max_tokens", 0) >= 1:
+        tokens, counts = found.first()
+        max_context = kw.get("max_context", 32)
+        assert dict(zip(tokens.tolist(), counts.tolist())) == first_counts(docs, context, max_context)
+        for t in tokens.tolist():
+            forced = found.walk(kw["max_tokens"], t, 0.25)
+            rest = reference(docs, list(context[-max_context:]) + [t], kw["max_tokens"] - 1,
+                             max_context=max_context + 1, prior=kw.get("prior", 1.0),
+                             per_context=kw.get("per_context", False))
+            if rest[2] != found.match + 1:  # no occurrence that went that way goes on
+                rest = ([], [], 0)
+            assert forced[0] == [t] + rest[0] and forced[1] == pytest.approx([0.25] + rest[1])
     return got
 
 

@@ -98,6 +98,49 @@ def test_batched_steps_with_suffix_drafts_equal_each_alone(tiny_engine):
     assert [r.output_ids for r in tiny_engine.generate_many(reqs)] == alone
 
 
+def test_the_head_breaks_ties_and_overrules_a_thin_majority_only():
+    """head_choice: occurrences times (the head's probability + HEAD_FLOOR); its confidence
+    the winner's share of that score times n / (n + pseudo-count)."""
+    import numpy as np
+
+    from dflash.engine.proposers.suffix import HEAD_FLOOR, head_choice
+
+    tokens = np.array([3, 7, 9])
+    assert head_choice(tokens, np.array([1, 1, 1]), np.array([0.1, 0.8, 0.1]), 1.0)[0] == 7  # a tie
+    assert head_choice(tokens, np.array([3, 2, 0]), np.array([0.05, 0.9, 0.05]), 1.0)[0] == 7  # thin majority
+    assert head_choice(tokens, np.array([9, 1, 0]), np.array([0.2, 0.8, 0.0]), 1.0)[0] == 3  # a clear one stays
+    # A token the head does not know (probability 0) still wins on its counts.
+    t, c = head_choice(tokens, np.array([4, 1, 0]), np.array([0.0, 0.01, 0.0]), 0.5)
+    score = np.array([4 * HEAD_FLOOR, 1 * (0.01 + HEAD_FLOOR), 0.0])
+    assert t == 3 and c == pytest.approx(score[0] / score.sum() * 5 / 5.5)
+
+
+def test_a_chains_first_token_is_chosen_again_with_the_heads_probabilities(tiny_engine):
+    """Where the match's earlier occurrences went different ways at the first position,
+    `choices` names them; `rechoose` walks the chain again from the one the head prefers,
+    over the occurrences that went that way. Where they all agree, there is no choice."""
+    import numpy as np
+
+    from dflash.engine.proposers.suffix import SuffixProposer
+
+    ambiguous = [1, 5, 6, 7, 8, 30, 31, 32, 2, 5, 6, 7, 8, 30, 31, 32, 4, 5, 6, 7, 8, 40, 41, 42, 9, 5, 6, 7, 8]
+    state = tiny_engine.admit(GenerationRequest(input_ids=ambiguous, max_new_tokens=20, proposers=("suffix",)))
+    draft = tiny_engine.suffix.propose([(state, 5)])[0]
+    assert draft.tokens.tolist() == [30, 31, 32, 2]  # two of three occurrences (then a tie: 2 < 4)
+    assert SuffixProposer.choices(state).tolist() == [30, 40]
+    again = SuffixProposer.rechoose(state, np.array([0.02, 0.95]))
+    assert again.tokens.tolist() == [40, 41, 42, 9] and again.probs is None
+    assert 0.5 < again.confidence[0] < 1 and again.confidence[1:] == pytest.approx(
+        [1 / (1 + 1 / (len([5, 6, 7, 8]) + i)) for i in (1, 2, 3)])  # one occurrence, per-context prior
+    kept = SuffixProposer.rechoose(state, np.array([0.5, 0.5]))
+    assert kept.tokens.tolist() == [30, 31, 32, 2] and kept.confidence[1:] == draft.confidence[1:]
+    tiny_engine.release(state)
+    agree = tiny_engine.admit(GenerationRequest(input_ids=LOOP + [5, 6], max_new_tokens=20, proposers=("suffix",)))
+    tiny_engine.suffix.propose([(agree, 4)])
+    assert SuffixProposer.choices(agree) is None
+    tiny_engine.release(agree)
+
+
 @pytest.fixture(scope="module")
 def free_verify_engine(tiny_engine):
     """The same models where verifying more rows costs nothing (a GPU's regime), so chains

@@ -101,13 +101,31 @@ def _look(state: DecodeState, engine) -> tuple[int, object | None]:
     return most, chain if len(chain.tokens) else None
 
 
-def _guesses(looked: list[tuple[DecodeState, int, object | None]], engine) -> dict[int, object]:
-    """The next-token head's guesses where a state has nothing to continue, all in one call
-    (by id of the state)."""
-    asked = [state for state, most, chain in looked if chain is None and most > 1 and HEAD in state.proposals]
-    if not asked:
+def _ask_head(looked: list[tuple[DecodeState, int, object | None]], engine) -> dict[int, object]:
+    """The next-token head, all in one call, where it has a say: a guess where a state has
+    no chain, and the first token of a chain whose earlier occurrences went more than one
+    way (SuffixProposer.rechoose; the chain in `looked` is replaced). The guesses, by id of
+    the state."""
+    guess_for, choose_for = [], []
+    for state, most, chain in looked:
+        if most > 1 and HEAD in state.proposals:
+            if chain is None:
+                guess_for.append(state)
+            elif (tokens := engine.suffix.choices(state)) is not None:
+                choose_for.append((state, tokens))
+    if not guess_for and not choose_for:
         return {}
-    return {id(s): g for s, g in zip(asked, engine.head.propose([(s, 2) for s in asked])) if len(g.tokens)}
+    head = engine.head
+    probs = head.distributions(guess_for + [state for state, _ in choose_for])
+    guesses = {}
+    for state, p in zip(guess_for, probs):
+        if p is not None:
+            guesses[id(state)] = head.guess(p)
+    rechosen = {id(state): engine.suffix.rechoose(state, head.probability_of(p, tokens))
+                for (state, tokens), p in zip(choose_for, probs[len(guess_for):]) if p is not None}
+    if rechosen:
+        looked[:] = [(s, most, rechosen.get(id(s), chain)) for s, most, chain in looked]
+    return guesses
 
 
 def _plan(state: DecodeState, engine, most: int, chain, guess) -> _Plan | None:
@@ -171,10 +189,10 @@ def step(engine, states: list[DecodeState], budget: int | None = None, min_chunk
         chunks = _prefill_chunks(prefilling, None if budget is None else max(budget - len(decoding), min(min_chunk, budget)))
         prefill_tokens = sum(n for _, n in chunks)
     plans, extra = [], 0
-    # The free proposers first: every state's suffix chain, then the head's guesses for the
-    # states without one, in one call (HeadProposer.propose says why).
+    # The free proposers first: every state's suffix chain, then the head, in one call
+    # (HeadProposer.distributions says why), for guesses and chains' first tokens.
     looked = [(state, *_look(state, engine)) for state in decoding]
-    guesses = _guesses(looked, engine)
+    guesses = _ask_head(looked, engine)
     for state, most, chain in looked:
         if state.policy is not None:
             state.policy.price(engine.prices(len(decoding), len(chunks), prefill_tokens + extra))

@@ -15,6 +15,11 @@ had no chain (a token new to the request and its workload), the head's guess was
 of the time on code, 27 % on chat, 33 % on agent and 26 % on `repetitive`; on held-out
 corpus answers 50 %, with calibrated confidences (its softmax peak: at >= 0.8, right 85 %).
 
+Where the suffix proposer has a chain but the match's earlier occurrences went more than
+one way at its first position, the same call gives the head's distribution for that state,
+and the suffix proposer picks the first token with it (dflash.engine.proposers.suffix,
+`head_choice`): the head said which continuation, not whether one.
+
 A guess is a point mass (`probs` None): the strict rule verifies it when sampling, so the
 target's law is kept. The head reads the residual after the target's last layer *before*
 the final norm, which is what the ort backend's last feature output is; a head says which
@@ -136,6 +141,8 @@ class HeadProposer:
         self.session = _session(next_head_graph(weights.proj, weights.bias, weights.gain, out, EPS, bits=bits)
                                 .SerializeToString(), torch.device("cpu"))
         self.price = RunningPrice(1e-4)  # one guess's
+        self.index = np.full(int(weights.vocab.max()) + 1, -1, dtype=np.int64)  # target id -> place in vocab
+        self.index[weights.vocab] = np.arange(len(weights.vocab))
 
     @property
     def guess_s(self) -> float:
@@ -155,24 +162,46 @@ class HeadProposer:
 
     def propose(self, items: list[tuple[object, int]]) -> list[Draft]:
         """One guessed token (D = 2) per state, with its softmax peak as the confidence; an
-        empty draft where the state has no residual yet. All states' guesses in one call: a
-        call of 8 rows costs little more than one of 1 (0.35 against 0.27 ms right after a
-        target forward, Zen 4); with 8 callers on chat that took 0.56 ms a step off."""
+        empty draft where the state has no residual yet."""
+        return [self.guess(p) for p in self.distributions([state for state, _ in items])]
+
+    def distributions(self, states: list) -> list[np.ndarray | None]:
+        """Each state's distribution over the head's vocabulary (`w.vocab`) for the token
+        after its last committed one; None where it has no residual yet. All states in one
+        call: a call of 8 rows costs little more than one of 1 (0.35 against 0.27 ms right
+        after a target forward, Zen 4); with 8 callers on chat that took 0.56 ms a step off."""
         t = time.perf_counter()
-        ready = [i for i, (state, _) in enumerate(items) if state.proposals[NAME].residual is not None]
-        out = [Draft(_NO_TOKENS, None, []) for _ in items]
+        ready = [i for i, state in enumerate(states) if state.proposals[NAME].residual is not None]
+        out: list[np.ndarray | None] = [None] * len(states)
         if not ready:
             return out
         w = self.w
-        e = self.embed(torch.tensor([items[i][0].output_ids[-1] for i in ready])).detach().float().numpy()
-        r = np.stack([items[i][0].proposals[NAME].residual for i in ready])
+        e = self.embed(torch.tensor([states[i].output_ids[-1] for i in ready])).detach().float().numpy()
+        r = np.stack([states[i].proposals[NAME].residual for i in ready])
         logits = self.session.run(None, {"x": np.concatenate([rms_norm(r, w.final_norm), e], axis=-1)})[0]
-        best = logits.argmax(axis=-1)
-        peaks = 1.0 / np.exp(logits - logits.max(axis=-1, keepdims=True)).sum(axis=-1)
+        p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
         for n, i in enumerate(ready):
-            out[i] = Draft(torch.tensor([int(w.vocab[best[n]])]), None, [float(peaks[n])])
+            out[i] = p[n]
         self.price.add((time.perf_counter() - t) / len(ready))
         return out
+
+    def guess(self, probs: np.ndarray | None) -> Draft:
+        """The most probable token of a distribution (`distributions`) as a draft, its
+        probability as the confidence; an empty draft for None."""
+        if probs is None:
+            return Draft(_NO_TOKENS, None, [])
+        j = int(probs.argmax())
+        return Draft(torch.tensor([int(self.w.vocab[j])]), None, [float(probs[j])])
+
+    def probability_of(self, probs: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """The probabilities of target ids `tokens` in a distribution (`distributions`);
+        0 for a token outside the head's vocabulary."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        at = np.full(len(tokens), -1, dtype=np.int64)
+        inside = tokens < len(self.index)
+        at[inside] = self.index[tokens[inside]]
+        return np.where(at >= 0, probs[np.maximum(at, 0)], 0.0)
 
 
 def for_target(target, folder: str | Path | None, bits: int | None = 8) -> HeadProposer | None:

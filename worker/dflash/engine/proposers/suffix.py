@@ -19,7 +19,7 @@ import torch
 
 from dflash.engine.proposers.names import SUFFIX
 from dflash.engine.proposers.protocol import Draft, RunningPrice
-from dflash.engine.proposers.suffix_index import SuffixIndex, propose_from
+from dflash.engine.proposers.suffix_index import Continuations, SuffixIndex, continuations_from
 
 NAME = SUFFIX
 SELF = 0  # the document id of the request's own tokens in its index
@@ -44,17 +44,44 @@ SPEC_FACTOR = 2  # a chain is at most this many times as long as the match it co
 MAX_POOLS = 256  # workloads whose pooled calibration is kept (least recently used dropped)
 
 
+# Where a match's occurrences went different ways at the first position and the next-token
+# head (dflash.engine.proposers.head) is asked, the first token is the candidate with the most
+# occurrences times (the head's probability + HEAD_FLOOR), and its confidence that score's
+# share of all candidates' times n / (n + pseudo-count): the head breaks ties and overrules a
+# thin majority, the floor keeps a token the head does not know (outside its vocabulary) in
+# the running. Replayed on one bench run's greedy outputs (ort, Zen 4, 128 new tokens, the
+# head's probabilities from the target's own features): the suffix policy's speedup over
+# plain steps rose from 1.56 to 1.62 on code, 1.18 to 1.22 on chat, 1.51 to 1.55 on agent and
+# 1.61 to 1.64 on `repetitive` (floor 0.05: 1.63 / 1.21 / 1.54 / 1.64; keeping the counts'
+# confidence and only the head's pick: 1.59 / 1.20 / 1.52 / 1.62).
+HEAD_FLOOR = 0.01
+
+
+def _lookup(indexes: list[SuffixIndex], prompt_ids: list[int], output_ids: list[int],
+            max_tokens: int) -> Continuations | None:
+    out_n = len(output_ids)
+    context = output_ids[-MAX_CONTEXT:] if out_n >= MAX_CONTEXT else (
+        prompt_ids[-(MAX_CONTEXT - out_n):] + output_ids)
+    return continuations_from(indexes, context, max_tokens, min_match=MIN_MATCH, max_context=MAX_CONTEXT,
+                              per_context=PER_CONTEXT)
+
+
 def chain(indexes: list[SuffixIndex], prompt_ids: list[int], output_ids: list[int],
           max_tokens: int) -> tuple[list[int], list[float]]:
     """The proposal after prompt + output so far: the continuation of the longest earlier
     match of its last MAX_CONTEXT tokens (at least MIN_MATCH), at most SPEC_FACTOR times
     as long as the match, and each position's confidence. (The bench's ceiling replays it.)"""
-    out_n = len(output_ids)
-    context = output_ids[-MAX_CONTEXT:] if out_n >= MAX_CONTEXT else (
-        prompt_ids[-(MAX_CONTEXT - out_n):] + output_ids)
-    tokens, confidence, match = propose_from(indexes, context, max_tokens, min_match=MIN_MATCH,
-                                             max_context=MAX_CONTEXT, per_context=PER_CONTEXT)
-    return tokens[: SPEC_FACTOR * match], confidence[: SPEC_FACTOR * match]
+    found = _lookup(indexes, prompt_ids, output_ids, max_tokens)
+    return found.walk(min(max_tokens, SPEC_FACTOR * found.match)) if found is not None else ([], [])
+
+
+def head_choice(tokens: np.ndarray, counts: np.ndarray, probs: np.ndarray, pseudo: float) -> tuple[int, float]:
+    """The first token among `tokens` (that followed `counts` times each) given the head's
+    probability of each, and its confidence (HEAD_FLOOR says how and why)."""
+    score = counts * (probs + HEAD_FLOOR)
+    j = int(score.argmax())
+    n = int(counts.sum())
+    return int(tokens[j]), float(score[j] / score.sum() * n / (n + pseudo))
 
 
 @dataclass
@@ -62,6 +89,9 @@ class SuffixState:
     own: SuffixIndex  # the request's prompt and output so far
     indexed: int  # tokens of the request in `own`
     workload: object | None  # its workload's memory (dflash.engine.workloads.Workload), if any
+    found: Continuations | None = None  # the last proposal's occurrences, for `choices` / `rechoose`
+    most: int = 0  # the last proposal's longest chain (0: none)
+    first: tuple[np.ndarray, np.ndarray] | None = None  # its first position's tokens and counts (when asked)
 
 
 class SuffixProposer:
@@ -107,11 +137,33 @@ class SuffixProposer:
             ps = state.proposals[NAME]
             self.observe(state)
             indexes = [ps.own] if ps.workload is None else [ps.own, ps.workload.index]
-            tokens, confidence = chain(indexes, state.prompt_ids, state.output_ids, D - 1)
+            ps.found = found = _lookup(indexes, state.prompt_ids, state.output_ids, D - 1)
+            ps.first = None
+            ps.most = 0 if found is None else min(D - 1, SPEC_FACTOR * found.match)
+            tokens, confidence = found.walk(ps.most) if ps.most > 0 else ([], [])
             self.price.add(time.perf_counter() - t)
-            # (from numpy: torch.tensor of a short list took ~55 us a step in the loop, this ~18)
-            out.append(Draft(torch.from_numpy(np.array(tokens, dtype=np.int64)), None, list(confidence)))
+            out.append(_draft(tokens, confidence))
         return out
+
+    @staticmethod
+    def choices(state) -> np.ndarray | None:
+        """The tokens that followed the state's last proposal's match at the first position,
+        where its occurrences went more than one way (else None)."""
+        ps = state.proposals[NAME]
+        if ps.found is None or not ps.most:
+            return None
+        if ps.first is None:
+            ps.first = ps.found.first()
+        return ps.first[0] if len(ps.first[0]) > 1 else None
+
+    @staticmethod
+    def rechoose(state, probs: np.ndarray) -> Draft:
+        """The state's last proposal again, its first token chosen with the head's
+        probability of each of `choices(state)` (`head_choice`)."""
+        ps = state.proposals[NAME]
+        tokens, counts = ps.first
+        first, confidence = head_choice(tokens, counts, probs, ps.found.pseudo(0))
+        return _draft(*ps.found.walk(ps.most, first, confidence))
 
     def _pool(self, workload) -> tuple[list[float], list[float]]:
         pool = self.pools.get(workload)
@@ -140,3 +192,8 @@ class SuffixProposer:
     @property
     def lookup_s(self) -> float:
         return self.price.s
+
+
+def _draft(tokens: list[int], confidence: list[float]) -> Draft:
+    # (from numpy: torch.tensor of a short list took ~55 us a step in the loop, this ~18)
+    return Draft(torch.from_numpy(np.array(tokens, dtype=np.int64)), None, list(confidence))

@@ -8,7 +8,9 @@ takes the most frequent next token among the occurrences still consistent with t
 context and the tokens chosen so far, keeps only the occurrences that continue with it, and
 goes on until `max_tokens` tokens or no occurrence continues. `propose_from` does the same
 over several indexes at once (a request's own index and its workload's memory), counting
-occurrences from all of them.
+occurrences from all of them; `continuations_from` stops before the walk and returns what
+followed every occurrence (`Continuations`), so a caller can choose the first token itself
+(the next-token head's say, dflash.engine.proposers.suffix) and walk on from it.
 
 Definitions (what the tests' brute-force reference checks):
 
@@ -554,21 +556,89 @@ class SuffixIndex:
         return self._tok[idx]
 
 
-def propose_from(indexes: Sequence[SuffixIndex], context: Sequence[int], max_tokens: int, min_match: int = 1,
-                 max_context: int = 32, max_occurrences: int = 256,
-                 prior: float = 1.0, per_context: bool = False) -> tuple[list[int], list[float], int]:
-    """`SuffixIndex.propose` over several indexes as if their documents were one set: the
-    longest match over all of them, the counts summed over the occurrences in each.
-    `max_occurrences` bounds the occurrences looked at per index; `per_context`: the
-    pseudo-count shrinks with the context agreed on (module docstring)."""
+class Continuations:
+    """What followed every occurrence of a match: one row per occurrence, the `width` tokens
+    after it (SENTINEL past its document's end), walked into a chain by `walk`. Kept by a
+    caller that may choose the first token itself (the suffix proposer, when the next-token
+    head has a say: dflash.engine.proposers.suffix)."""
+
+    __slots__ = ("win", "match", "prior", "per_context")
+
+    def __init__(self, win: np.ndarray, match: int, prior: float, per_context: bool):
+        self.win = win
+        self.match = match  # the match's length
+        self.prior = prior
+        self.per_context = per_context
+
+    def pseudo(self, i: int) -> float:
+        """The pseudo-count at chain position i (0-based): module docstring, Confidence."""
+        return self.prior / (self.match + i) if self.per_context else self.prior
+
+    def first(self) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens that followed at the first position (ascending) and how often each did."""
+        col = self.win[:, 0]
+        return np.unique(col[col >= 0], return_counts=True)
+
+    def walk(self, max_tokens: int, first: int | None = None,
+             first_confidence: float | None = None) -> tuple[list[int], list[float]]:
+        """The chain of at most `max_tokens` (the most frequent next token at each position,
+        module docstring) and each position's confidence; `first` (one of `first()`'s tokens)
+        instead of the most frequent at the first position, with `first_confidence`."""
+        win = self.win
+        tokens: list[int] = []
+        conf: list[float] = []
+        i = 0
+        if first is not None and max_tokens > 0:
+            tokens.append(int(first))
+            conf.append(float(first_confidence))
+            win = win[win[:, 0] == first]
+            i = 1
+        while i < max_tokens and len(win) > _PY_ROWS:  # many occurrences: numpy column by column
+            col = win[:, i]
+            nxt = col[col >= 0]
+            if not nxt.size:
+                return tokens, conf
+            vals, counts = np.unique(nxt, return_counts=True)
+            j = int(counts.argmax())  # the first maximum: the smallest token id
+            t = int(vals[j])
+            tokens.append(t)
+            conf.append(int(counts[j]) / (nxt.size + self.pseudo(i)))
+            win = win[col == t]
+            i += 1
+        rows = win[:, i:].tolist()  # few: plain Python
+        for j in range(max_tokens - i):
+            if len(rows) == 1:  # one occurrence left: its tokens up to its document's end
+                for t in rows[0][j:]:
+                    if t < 0:
+                        break
+                    conf.append(1.0 / (1.0 + self.pseudo(len(tokens))))
+                    tokens.append(t)
+                break
+            counts = Counter(r[j] for r in rows if r[j] >= 0)
+            if not counts:
+                break
+            c = max(counts.values())
+            t = min(t for t, n in counts.items() if n == c)
+            tokens.append(t)
+            conf.append(c / (counts.total() + self.pseudo(len(tokens) - 1)))
+            rows = [r for r in rows if r[j] == t]
+        return tokens, conf
+
+
+def continuations_from(indexes: Sequence[SuffixIndex], context: Sequence[int], max_tokens: int,
+                       min_match: int = 1, max_context: int = 32, max_occurrences: int = 256,
+                       prior: float = 1.0, per_context: bool = False) -> Continuations | None:
+    """The longest match of `context`'s suffix over several indexes as if their documents
+    were one set, and the `max_tokens` tokens after each of its occurrences (at most
+    `max_occurrences` per index); None when it is shorter than `min_match`."""
     if max_tokens <= 0 or max_context <= 0:
-        return [], [], 0
+        return None
     ctx = [int(t) for t in context[-max_context:]]
     neg = [i for i, t in enumerate(ctx) if t < 0]
     if neg:  # a negative id is no token (and would match the sentinel): match after it only
         ctx = ctx[neg[-1] + 1:]
     if not ctx:
-        return [], [], 0
+        return None
     rev = np.array(ctx[::-1], dtype=np.int64)
     best, found = 0, []
     for ix in indexes:
@@ -578,46 +648,24 @@ def propose_from(indexes: Sequence[SuffixIndex], context: Sequence[int], max_tok
         elif n == best and n:
             found.append((ix, pos))
     if best < max(1, min_match):
-        return [], [], 0
+        return None
     wins = [ix._window(pos, max_tokens) for ix, pos in found]
-    win = np.concatenate(wins) if len(wins) > 1 else wins[0]
+    return Continuations(np.concatenate(wins) if len(wins) > 1 else wins[0], best, prior, per_context)
 
-    def pseudo(i: int) -> float:  # the pseudo-count at chain position i (0-based)
-        return prior / (best + i) if per_context else prior
 
-    tokens: list[int] = []
-    conf: list[float] = []
-    i = 0
-    while i < max_tokens and len(win) > _PY_ROWS:  # many occurrences: numpy column by column
-        col = win[:, i]
-        nxt = col[col >= 0]
-        if not nxt.size:
-            return tokens, conf, best
-        vals, counts = np.unique(nxt, return_counts=True)
-        j = int(counts.argmax())  # the first maximum: the smallest token id
-        t = int(vals[j])
-        tokens.append(t)
-        conf.append(int(counts[j]) / (nxt.size + pseudo(i)))
-        win = win[col == t]
-        i += 1
-    rows = win[:, i:].tolist()  # few: plain Python
-    for j in range(max_tokens - i):
-        if len(rows) == 1:  # one occurrence left: its tokens up to its document's end
-            for t in rows[0][j:]:
-                if t < 0:
-                    break
-                conf.append(1.0 / (1.0 + pseudo(len(tokens))))
-                tokens.append(t)
-            break
-        counts = Counter(r[j] for r in rows if r[j] >= 0)
-        if not counts:
-            break
-        c = max(counts.values())
-        t = min(t for t, n in counts.items() if n == c)
-        tokens.append(t)
-        conf.append(c / (counts.total() + pseudo(len(tokens) - 1)))
-        rows = [r for r in rows if r[j] == t]
-    return tokens, conf, best
+def propose_from(indexes: Sequence[SuffixIndex], context: Sequence[int], max_tokens: int, min_match: int = 1,
+                 max_context: int = 32, max_occurrences: int = 256,
+                 prior: float = 1.0, per_context: bool = False) -> tuple[list[int], list[float], int]:
+    """`SuffixIndex.propose` over several indexes as if their documents were one set: the
+    longest match over all of them, the counts summed over the occurrences in each.
+    `max_occurrences` bounds the occurrences looked at per index; `per_context`: the
+    pseudo-count shrinks with the context agreed on (module docstring)."""
+    found = continuations_from(indexes, context, max_tokens, min_match, max_context, max_occurrences, prior,
+                               per_context)
+    if found is None:
+        return [], [], 0
+    tokens, conf = found.walk(max_tokens)
+    return tokens, conf, found.match
 
 
 def _few_tokens(tokens) -> list[int] | None:
