@@ -51,7 +51,7 @@ MAX_POOLS = 256  # workloads whose pooled calibration is kept (least recently us
 # thin majority, the floor keeps a token the head does not know (outside its vocabulary) in
 # the running. Replayed on one bench run's greedy outputs (ort, Zen 4, 128 new tokens, the
 # head's probabilities from the target's own features): the suffix policy's speedup over
-# plain steps rose from 1.56 to 1.62 on code, 1.18 to 1.22 on chat, 1.51 to 1.55 on agent and
+# plain steps rose from 1.56 to 1.62 on code, 1.18 to 1.22 on chat, 1.51 to 1.54 on agent and
 # 1.61 to 1.64 on `repetitive` (floor 0.05: 1.63 / 1.21 / 1.54 / 1.64; keeping the counts'
 # confidence and only the head's pick: 1.59 / 1.20 / 1.52 / 1.62).
 HEAD_FLOOR = 0.01
