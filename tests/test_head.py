@@ -202,7 +202,7 @@ def test_one_head_call_guesses_and_chooses_a_chains_first_token(tiny):
     run = head.session.run
     head.session.run = lambda *a, **k: calls.append(1) or run(*a, **k)
     try:
-        guesses = step_mod._ask_head(looked, engine)
+        looked, guesses = step_mod._ask_head(looked, engine)
     finally:
         head.session.run = run
     assert len(calls) == 1

@@ -101,11 +101,11 @@ def _look(state: DecodeState, engine) -> tuple[int, object | None]:
     return most, chain if len(chain.tokens) else None
 
 
-def _ask_head(looked: list[tuple[DecodeState, int, object | None]], engine) -> dict[int, object]:
+def _ask_head(looked: list[tuple[DecodeState, int, object | None]], engine) -> tuple[list, dict[int, object]]:
     """The next-token head, all in one call, where it has a say: a guess where a state has
     no chain, and the first token of a chain whose earlier occurrences went more than one
-    way (SuffixProposer.rechoose; the chain in `looked` is replaced). The guesses, by id of
-    the state."""
+    way (SuffixProposer.rechoose). `looked` with those chains chosen again, and the guesses
+    by id of the state."""
     guess_for, choose_for = [], []
     for state, most, chain in looked:
         if most > 1 and HEAD in state.proposals:
@@ -114,7 +114,7 @@ def _ask_head(looked: list[tuple[DecodeState, int, object | None]], engine) -> d
             elif (tokens := engine.suffix.choices(state)) is not None:
                 choose_for.append((state, tokens))
     if not guess_for and not choose_for:
-        return {}
+        return looked, {}
     head = engine.head
     probs = head.distributions(guess_for + [state for state, _ in choose_for])
     guesses = {}
@@ -124,8 +124,8 @@ def _ask_head(looked: list[tuple[DecodeState, int, object | None]], engine) -> d
     rechosen = {id(state): engine.suffix.rechoose(state, head.probability_of(p, tokens))
                 for (state, tokens), p in zip(choose_for, probs[len(guess_for):]) if p is not None}
     if rechosen:
-        looked[:] = [(s, most, rechosen.get(id(s), chain)) for s, most, chain in looked]
-    return guesses
+        looked = [(s, most, rechosen.get(id(s), chain)) for s, most, chain in looked]
+    return looked, guesses
 
 
 def _plan(state: DecodeState, engine, most: int, chain, guess) -> _Plan | None:
@@ -192,7 +192,7 @@ def step(engine, states: list[DecodeState], budget: int | None = None, min_chunk
     # The free proposers first: every state's suffix chain, then the head, in one call
     # (HeadProposer.distributions says why), for guesses and chains' first tokens.
     looked = [(state, *_look(state, engine)) for state in decoding]
-    guesses = _ask_head(looked, engine)
+    looked, guesses = _ask_head(looked, engine)
     for state, most, chain in looked:
         if state.policy is not None:
             state.policy.price(engine.prices(len(decoding), len(chunks), prefill_tokens + extra))

@@ -72,7 +72,13 @@ def chain(indexes: list[SuffixIndex], prompt_ids: list[int], output_ids: list[in
     match of its last MAX_CONTEXT tokens (at least MIN_MATCH), at most SPEC_FACTOR times
     as long as the match, and each position's confidence. (The bench's ceiling replays it.)"""
     found = _lookup(indexes, prompt_ids, output_ids, max_tokens)
-    return found.walk(min(max_tokens, SPEC_FACTOR * found.match)) if found is not None else ([], [])
+    most = _longest(found, max_tokens)
+    return found.walk(most) if most > 0 else ([], [])
+
+
+def _longest(found: Continuations | None, max_tokens: int) -> int:
+    """The longest chain a lookup may propose: at most SPEC_FACTOR times its match (0: none)."""
+    return 0 if found is None else min(max_tokens, SPEC_FACTOR * found.match)
 
 
 def head_choice(tokens: np.ndarray, counts: np.ndarray, probs: np.ndarray, pseudo: float) -> tuple[int, float]:
@@ -139,7 +145,7 @@ class SuffixProposer:
             indexes = [ps.own] if ps.workload is None else [ps.own, ps.workload.index]
             ps.found = found = _lookup(indexes, state.prompt_ids, state.output_ids, D - 1)
             ps.first = None
-            ps.most = 0 if found is None else min(D - 1, SPEC_FACTOR * found.match)
+            ps.most = _longest(found, D - 1)
             tokens, confidence = found.walk(ps.most) if ps.most > 0 else ([], [])
             self.price.add(time.perf_counter() - t)
             out.append(_draft(tokens, confidence))
