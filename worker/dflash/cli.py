@@ -134,9 +134,38 @@ def cmd_models(args) -> int:
         info["target_onnx"] = str(ensure_export(target, onnx_export_dir(target), quiet=False))
         info["target_onnx_q4_1"] = str(onnx_q41.ensure_export(target, onnx_export_dir(target, onnx_q41.PRECISION),
                                                               onnx_export_dir(target), quiet=False))
+    # Each target backend probed here now (once per CPU and build), not at the first start.
+    from dflash.loading import default_gguf, doctor_report
+
+    info["backends"] = doctor_report(target, default_gguf())["backends"]
     print(json.dumps(info) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
     if is_random:
         print(RANDOM_DRAFTER_WARNING, file=sys.stderr)
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from pathlib import Path
+
+    from dflash.loading import default_gguf, doctor_report
+    from dflash.model_files import ensure_default_target
+
+    target = Path(args.target) if args.target else ensure_default_target(quiet=True)
+    gguf = Path(args.target_gguf) if args.target_gguf else (default_gguf() if args.target is None else None)
+    report = doctor_report(target, gguf, reprobe=args.reprobe)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"CPU: {report['cpu']}")
+    print(f"flags: {' '.join(report['flags'])}")
+    print(f"llama.cpp: {report['llama_cpp'] or 'not installed'}")
+    print(f"llama.cpp build flags: {report['llama_cpp_build_flags']}")
+    print(f"target: {report['target']}")
+    if args.reprobe:
+        print(f"forgot {report['forgotten']} verdicts of this CPU; probed again")
+    for name, verdict in report["backends"].items():
+        print(f"  {name:9} {verdict}")
+    print(f"(verdicts kept in {report['verdicts']}; dflash doctor --reprobe probes again)")
     return 0
 
 
@@ -374,6 +403,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outtype", default="auto", choices=OUTTYPES,
                    help="GGUF matrix type: auto keeps the stored dtype (exact), f32 widens (exact)")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("doctor", help="this machine's CPU, llama.cpp's build and each target backend's verdict "
+                       "(probed in a child process the first time)")
+    p.add_argument("--target", help="a target folder (default: the embedded SmolLM2)")
+    p.add_argument("--target-gguf", help="the target's GGUF, for the llamacpp backend")
+    p.add_argument("--reprobe", action="store_true", help="forget this CPU's verdicts and probe every backend again")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("models", help="prepare the embedded default models in the cache")
     p.add_argument("--json", action="store_true")

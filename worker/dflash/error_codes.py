@@ -100,6 +100,9 @@ ERROR_CODES = (
     _other("bad_drafter", "a drafter that cannot be found, read or run"),
     _other("incompatible_drafter", "a drafter that does not fit the target (hidden size, vocabulary, layers)"),
     _other("bad_target", "a target that cannot be found, read or run"),
+    _other("backend_unusable", "a target backend asked for by name failed its probe on this machine (its child "
+                               "process died, hung or disagreed with the reference path)",
+           "choose another --target-backend (or auto), or probe again after a rebuild: dflash doctor --reprobe"),
     _other("bad_head", "a next-token head that cannot be read"),
     _other("bad_embedder", "an embedding model that cannot be read"),
     _other("missing_model", "a default model's package is not installed"),

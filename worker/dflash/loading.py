@@ -82,6 +82,7 @@ def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "floa
     from dflash.engine.dtypes import DTYPES
     from dflash.engine.engine import Engine
     from dflash.errors import DFlashError
+    from dflash.model_files import probe_dir
 
     if dtype not in DTYPES:
         raise DFlashError("bad_dtype", f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
@@ -102,33 +103,70 @@ def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "floa
                       cost_dir=cost_dir, drafter_sha256=sha, draft_dtype=draft_dtype, draft_vocab=vocab,
                       head_dir=head_dir)
 
+    probes = probe_dir()
     if target_backend != "auto":
+        checked = builders[target_backend].require(probes)
         target = builders[target_backend]()
-        target.selection = {"backend": target.backend, "how": "asked for (--target-backend)"}
+        target.selection = {"backend": target.backend, "how": "asked for (--target-backend)",
+                            "backends": {target_backend: checked}}
         return engine_over(target)
-    runnable = [name for name, build in builders.items() if build.why_not is None and build.ready]
+    ready = [name for name, build in builders.items() if build.why_not is None and build.ready]
+    # A native backend runs in this process only once a child has run it here (probe.py).
+    verdicts = {name: builders[name].verdict(probes) for name in ready}
+    runnable = [name for name in ready if verdicts[name].usable]
+    backends = {name: v.line() for name, v in verdicts.items()}
     if runnable == ["hf"]:
         target = builders["hf"]()
         target.selection = {"backend": "hf", "how": "the only backend ready for this device, dtype and target",
-                            "not_candidates": {k: b.why_not or "not prepared (dflash models, or --target-backend "
-                                               f"{k} once)" for k, b in builders.items() if k != "hf"}}
+                            "not_candidates": {k: b.why_not or backends.get(k) or "not prepared (dflash models, or "
+                                               f"--target-backend {k} once)" for k, b in builders.items() if k != "hf"},
+                            "backends": backends}
         return engine_over(target)
-    return fastest_engine({k: builders[k] for k in runnable}, engine_over, target_dir, cost_dir)
+    engine = fastest_engine({k: builders[k] for k in runnable}, engine_over, target_dir, cost_dir)
+    engine.target.selection["backends"] = backends
+    return engine
 
 
 class _Builder:
     """Makes one backend's target. `why_not`: why it cannot run here (None: it can);
     `ready`: whether it can start without preparing its model first (auto takes only those:
     llama.cpp needs a GGUF, ort an export that `dflash models` or a first
-    `--target-backend ort` makes)."""
+    `--target-backend ort` makes). `probe`: how a child process builds it, for the probe of a
+    native backend (dflash.engine.target.probe; None: the reference, not probed), with
+    `build`, what else makes its code (an export's build) and `reference`, how a child builds
+    the reference path it is compared with."""
 
-    def __init__(self, make, why_not: str | None, ready: bool = True):
+    def __init__(self, make, why_not: str | None, ready: bool = True, name: str = "", target_dir=None,
+                 probe=None, reference=None, build: dict | None = None):
         self.make, self.why_not, self.ready = make, why_not, ready
+        self.name, self.target_dir, self.probe, self.reference, self.build = name, target_dir, probe, reference, build
 
     def __call__(self):
         if self.why_not is not None:
             raise DFlashError("bad_target", f"this target backend cannot run here: {self.why_not}")
         return self.make()
+
+    def verdict(self, directory: Path):
+        """Whether it runs here (probed in a child the first time; the reference always does)."""
+        from dflash.engine.target import probe
+
+        if self.probe is None:
+            return probe.Verdict(self.name, True, None, "", "", 0.0, {}, None)
+        return probe.verdict(self.name, self.target_dir, self.probe, self.reference, directory, self.build)
+
+    def require(self, directory: Path) -> str:
+        """The verdict's line, or a clean error where it failed its probe here."""
+        from dflash.engine.target import probe
+
+        if self.probe is None or self.why_not is not None:
+            return "usable" if self.why_not is None else self.why_not
+        return probe.require(self.name, self.target_dir, self.probe, self.reference, directory, self.build).line()
+
+
+def build_backend(backend: str, target_dir: str, device: str = "cpu", dtype: str = "float32",
+                  gguf: str | None = None):
+    """One backend's target, as a probe's child builds it (dflash.engine.target.probe.Spec)."""
+    return target_builders(target_dir, device, dtype, Path(gguf) if gguf else None)[backend]()
 
 
 def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", gguf: Path | None = None) -> dict:
@@ -136,9 +174,10 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     import torch
 
     from dflash.convert import onnx_q41
+    from dflash.convert.onnx_target import BUILD as onnx_target_build
     from dflash.convert.onnx_target import builder_version, ensure_export, is_current
     from dflash.engine.dtypes import DTYPES
-    from dflash.engine.target import llamacpp, ort
+    from dflash.engine.target import llamacpp, ort, probe
     from dflash.engine.target.hf import HFTarget
     from dflash.model_files import onnx_export_dir
 
@@ -161,26 +200,82 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
                              threads=torch.get_num_threads())
 
     ort_missing = cpu32 or (None if ort.available() else "onnxruntime is not installed")
+    where = {"target_dir": str(target_dir), "device": device, "dtype": dtype, "gguf": str(gguf) if gguf else None}
+
+    def native(backend: str, build: dict | None = None) -> dict:
+        return {"name": backend, "target_dir": target_dir, "build": build,
+                "probe": probe.Spec(f"{__name__}:build_backend", {"backend": backend, **where}),
+                "reference": probe.Spec(f"{__name__}:build_backend", {"backend": "hf", **where})}
+
     return {
-        "hf": _Builder(hf, None),
+        "hf": _Builder(hf, None, name="hf", target_dir=target_dir),
         "llamacpp": _Builder(gguf_target, cpu32 or (
             None if llamacpp.available() else "llama-cpp-python is not installed (make setup installs it)") or (
-            None if gguf is not None else "no GGUF of the target (--target-gguf FILE; the embedded default has one)")),
+            None if gguf is not None else "no GGUF of the target (--target-gguf FILE; the embedded default has one)"),
+            **native("llamacpp")),
         "ort": _Builder(onnx_target, ort_missing or (
             None if builder_version() or exported
-            else "onnxruntime-genai (the exporter) is not installed (make setup installs it)"), ready=exported),
+            else "onnxruntime-genai (the exporter) is not installed (make setup installs it)"), ready=exported,
+            **native("ort", onnx_target_build)),
         "ort-q4_1": _Builder(onnx_q41_target, ort_missing or (
             None if builder_version() or exported or exported_q41
-            else "onnxruntime-genai (the exporter) is not installed (make setup installs it)"), ready=exported_q41),
+            else "onnxruntime-genai (the exporter) is not installed (make setup installs it)"), ready=exported_q41,
+            **native("ort-q4_1", onnx_q41.BUILD)),
     }
+
+
+def doctor_report(target_dir, gguf: Path | None = None, reprobe: bool = False) -> dict:
+    """What a user's report should carry: the CPU, the instruction sets that decide which
+    kernels run, how llama.cpp was built, and each target backend's verdict here (probing the
+    ones not probed yet; `reprobe`: this CPU's verdicts forgotten first)."""
+    from dflash import llamacpp_build
+    from dflash.engine.costs import cpu_name
+    from dflash.engine.target import llamacpp, probe
+    from dflash.model_files import probe_dir
+
+    directory = probe_dir()
+    cpu = cpu_name()
+    forgotten = probe.forget(directory, cpu) if reprobe else 0
+    flags = set()
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        pass
+    backends = {}
+    for name, builder in target_builders(target_dir, gguf=gguf).items():
+        if builder.why_not is not None:
+            backends[name] = f"not a candidate: {builder.why_not}"
+        elif not builder.ready:
+            backends[name] = f"not prepared (dflash models, or --target-backend {name} once)"
+        else:
+            backends[name] = builder.verdict(directory).line()
+    return {
+        "cpu": cpu,
+        "flags": sorted(f for f in flags if f.startswith(DOCTOR_FLAG_PREFIXES)),
+        "llama_cpp": llamacpp.system_info() if llamacpp.available() else None,
+        "llama_cpp_build_flags": llamacpp_build.cmake_args("binding"),
+        "target": str(target_dir),
+        "verdicts": str(directory),
+        "forgotten": forgotten,
+        "backends": backends,
+    }
+
+
+# The CPU flags a report shows: the vector and matrix extensions the runtimes choose kernels by.
+DOCTOR_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4")
 
 
 def load_target(target_dir, backend: str, device: str = "cpu", dtype: str = "float32", gguf: Path | None = None):
     """The target in the backend named (not auto: choosing needs the drafter, see load_engine)."""
     if backend not in TARGET_BACKENDS or backend == "auto":
         raise DFlashError("bad_params", f"load_target takes one of {', '.join(TARGET_BACKENDS[1:])}, got '{backend}'")
-    target = target_builders(target_dir, device, dtype, gguf)[backend]()
-    target.selection = {"backend": target.backend, "how": "asked for (--target-backend)"}
+    from dflash.model_files import probe_dir
+
+    builder = target_builders(target_dir, device, dtype, gguf)[backend]
+    checked = builder.require(probe_dir())
+    target = builder()
+    target.selection = {"backend": target.backend, "how": "asked for (--target-backend)", "backends": {backend: checked}}
     return target
 
 
@@ -311,7 +406,7 @@ def check_backend_args(args) -> bool:
     return remote
 
 
-def _default_gguf() -> Path | None:
+def default_gguf() -> Path | None:
     """The embedded target's shipped GGUF, where its package is installed (an image may hold
     only the converted folder: then the llamacpp backend is simply not a candidate)."""
     from dflash.model_files import default_target_gguf
@@ -341,7 +436,7 @@ def engine_from_args(args):
     target, drafter, is_random = resolve_models(args.target, args.drafter)
     if is_random:
         print(RANDOM_DRAFTER_WARNING, file=sys.stderr)
-    gguf = getattr(args, "target_gguf", None) or (_default_gguf() if args.target is None else None)
+    gguf = getattr(args, "target_gguf", None) or (default_gguf() if args.target is None else None)
     return load_engine(target, drafter, device=args.device, dtype=args.dtype, random_drafter=is_random,
                        cost_dir=cost_dir(), draft_dtype=args.draft_dtype, draft_vocab=getattr(args, "draft_vocab", "auto"),
                        target_backend=getattr(args, "target_backend", "auto"), target_gguf=gguf,

@@ -47,6 +47,14 @@ def cost_dir() -> Path:
     return Path(os.environ.get("DFLASH_COST_DIR") or cache_dir() / "costs")
 
 
+def probe_dir() -> Path:
+    """Where the target backends' probe verdicts are kept (`DFLASH_PROBE_DIR`, else
+    CACHE/probes; dflash.engine.target.probe): not with the cost curves, since a verdict is a
+    fact of the CPU and the build, which a busy machine does not distort, so the tests and a
+    user's runs share it."""
+    return Path(os.environ.get("DFLASH_PROBE_DIR") or cache_dir() / "probes")
+
+
 def default_target_dir() -> Path:
     return cache_dir() / DEFAULT_TARGET_NAME
 

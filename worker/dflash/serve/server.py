@@ -359,6 +359,8 @@ class Worker:
                 # how it was chosen (--target-backend auto: each candidate's measured prices and the
                 # tokens per second it promised)
                 "target_backend_choice": getattr(self.engine.target, "selection", None),
+                # each target backend's verdict on this machine (probed in a child: dflash doctor)
+                "backends": (getattr(self.engine.target, "selection", None) or {}).get("backends"),
                 # None: this process runs the models; else the inference server that does (--backend openai)
                 "endpoint": self.engine.endpoint,
                 "model": self.engine.target.name,

@@ -67,6 +67,13 @@ def available() -> bool:
     return True
 
 
+def system_info() -> str:
+    """What llama.cpp says of its own build: the CPU features it was compiled for (AMX_INT8 = 1
+    in a build that can fault here)."""
+    C = _binding()[0]
+    return C.llama_print_system_info().decode().strip()
+
+
 _BOUND: dict = {}
 
 

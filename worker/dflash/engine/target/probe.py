@@ -1,0 +1,322 @@
+"""Whether a native target backend runs on this machine at all: probed once, in a child process.
+
+A backend built from native code can die on a CPU it was not built for, and a dead worker
+tells nobody why: llama.cpp's AMX kernels fault on the Xeons here (SIGSEGV inside
+`llama_decode`, although the kernel grants the tile permission, so only running the kernel
+tells). So the first time a backend runs for a key (the CPU as `costs.cpu_name` names it, the
+target, and the backend's build: runtime versions, the native library's file, the export's
+build), a child process loads it and runs a short batched decode with features, teacher-forced
+on the reference path's greedy tokens (the hf backend, in a child of its own, cached as well).
+The verdict is kept in the model cache (dflash.model_files.probe_dir):
+- usable: it ran, and at every position its greedy token is among the reference's TOP_K and
+  equals the reference's own on at least AGREE of them (a quantized runtime may differ where two
+  logits are close; a broken kernel gives garbage);
+- unusable, with the reason: killed by a signal (its name), no answer within the time limit,
+  an error, or disagreement (the counts).
+`auto` chooses among usable backends; a backend asked for by name that failed is a clean
+`backend_unusable` error naming the backend, the reason and the CPU. A later start reads the
+verdict and does not probe again; `dflash doctor --reprobe` forgets this CPU's verdicts.
+
+The hf backend (PyTorch) is the reference and is not probed itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from dflash.errors import DFlashError
+
+KIND = "backend-probe"
+REFERENCE = "hf"
+MARK = "dflash-probe: "  # the child's answers on stdout; anything else it prints is noise
+PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
+NEW_TOKENS = 6
+TOP_K = 5
+AGREE = 0.5  # the least share of positions where the backend's greedy token is the reference's
+LOAD_TIMEOUT_S = float(os.environ.get("DFLASH_PROBE_LOAD_TIMEOUT_S", 900))  # a first export can take minutes
+RUN_TIMEOUT_S = float(os.environ.get("DFLASH_PROBE_TIMEOUT_S", 120))  # the decode itself: seconds
+
+
+@dataclass
+class Spec:
+    """How a child builds the target: `builder` ("module:function") called with `kwargs`,
+    returning a Target. JSON both ways."""
+
+    builder: str
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class Verdict:
+    backend: str
+    usable: bool
+    reason: str | None
+    cpu: str
+    probed_at: str
+    seconds: float
+    key: dict
+    agreement: dict | None = None
+
+    def line(self) -> str:
+        if not self.key:
+            return "usable (the reference: not probed)"
+        return "usable" if self.usable else f"UNUSABLE: {self.reason}"
+
+
+def build_of(backend: str) -> dict:
+    """What decides whether `backend`'s native code runs here, besides the CPU and what the
+    caller adds (an export's build): the runtime versions and, for llama.cpp, its library
+    file (a rebuild with other flags changes it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(pkg):
+        try:
+            return version(pkg)
+        except PackageNotFoundError:
+            return None
+
+    if backend == "llamacpp":
+        return {"llama-cpp-python": ver("llama-cpp-python"), "library": _library_stamp()}
+    if backend.startswith("ort"):
+        return {"onnxruntime": ver("onnxruntime")}
+    return {"torch": ver("torch"), "transformers": ver("transformers")}
+
+
+def _library_stamp() -> str | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    libs = sorted(Path(next(iter(spec.submodule_search_locations))).glob("lib/lib*.so*"))
+    return ";".join(f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in libs) or None
+
+
+def key_of(backend: str, target_dir: str | Path, build: dict | None = None) -> dict:
+    from dflash.engine.costs import cpu_name
+
+    return {"backend": backend, "cpu": cpu_name(), "target": Path(target_dir).name,
+            "build": {**build_of(backend), **(build or {})}}
+
+
+def _path(directory: Path, key: dict) -> Path:
+    from dflash.engine.costs import keyed_file
+
+    return keyed_file(directory, KIND, key)
+
+
+def cached(directory: Path, key: dict) -> Verdict | None:
+    try:
+        got = json.loads(_path(directory, key).read_text())
+        verdict = Verdict(**got)
+    except (OSError, ValueError, TypeError):
+        return None
+    return verdict if verdict.key == key else None
+
+
+def verdicts(directory: Path, cpu: str | None = None) -> list[Verdict]:
+    """Every verdict kept in `directory` (for this CPU only, where `cpu` is given)."""
+    out = []
+    for path in sorted(Path(directory).glob(f"{KIND}-*.json")):
+        try:
+            v = Verdict(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+        if cpu is None or v.cpu == cpu:
+            out.append(v)
+    return out
+
+
+def forget(directory: Path, cpu: str) -> int:
+    """Drop this CPU's verdicts (and the reference's tokens), so the next start probes again."""
+    n = 0
+    for path in Path(directory).glob(f"{KIND}-*.json"):
+        try:
+            if json.loads(path.read_text()).get("cpu") == cpu:
+                path.unlink()
+                n += 1
+        except (OSError, ValueError):
+            continue
+    return n
+
+
+def verdict(backend: str, target_dir: str | Path, spec: Spec, reference: Spec | None, directory: Path,
+            build: dict | None = None) -> Verdict:
+    """The kept verdict for `backend` on this machine and target, else a probe's (then kept).
+    `build`: what else makes the backend's code (an export's build)."""
+    from dflash.engine.costs import write_keyed
+
+    key = key_of(backend, target_dir, build)
+    got = cached(directory, key)
+    if got is not None:
+        return got
+    ref = reference_tokens(target_dir, reference, directory) if reference is not None else None
+    v = _probe(backend, key, spec, ref)
+    write_keyed(_path(directory, key), asdict(v))
+    return v
+
+
+def require(backend: str, target_dir, spec: Spec, reference: Spec | None, directory: Path,
+            build: dict | None = None) -> Verdict:
+    """The verdict, or a clean error where the backend failed its probe here."""
+    v = verdict(backend, target_dir, spec, reference, directory, build)
+    if not v.usable:
+        raise DFlashError("backend_unusable", f"the {backend} target backend cannot run on this machine: {v.reason} "
+                                              f"(CPU: {v.cpu}; probed {v.probed_at}). Choose another --target-backend, "
+                                              "or probe again after a rebuild: dflash doctor --reprobe")
+    return v
+
+
+def reference_tokens(target_dir, spec: Spec, directory: Path) -> dict | None:
+    """The reference path's prompts, greedy tokens and top-k per position (kept like a
+    verdict); None where the reference itself could not run (then only crashes are judged)."""
+    from dflash.engine.costs import write_keyed
+
+    key = {**key_of(REFERENCE, target_dir), "prompts": list(PROMPTS), "new_tokens": NEW_TOKENS}
+    path = _path(directory, key)
+    try:
+        got = json.loads(path.read_text())
+        if got.get("key") == key:
+            return got.get("reference")
+    except (OSError, ValueError):
+        pass
+    answer, _ = _run_child(spec, None)
+    ref = answer if isinstance(answer, dict) else None
+    write_keyed(path, {"key": key, "cpu": key["cpu"], "reference": ref})
+    return ref
+
+
+def _probe(backend: str, key: dict, spec: Spec, ref: dict | None) -> Verdict:
+    t = time.monotonic()
+    answer, failure = _run_child(spec, ref)
+    agreement = None
+    if failure is None and ref is not None:
+        agreement = judge(ref, answer)
+        if not agreement["agrees"]:
+            failure = (f"its greedy tokens disagree with the reference path's ({agreement['equal']} of "
+                       f"{agreement['positions']} equal, {agreement['in_top_k']} in the reference's top {TOP_K})")
+    return Verdict(backend, failure is None, failure, key["cpu"],
+                   datetime.now(timezone.utc).isoformat(timespec="seconds"), round(time.monotonic() - t, 2), key,
+                   agreement)
+
+
+def judge(ref: dict, answer: dict) -> dict:
+    """Whether the backend's greedy tokens (teacher-forced on the reference's) agree."""
+    positions = equal = in_top = 0
+    for want, top, got in zip(ref["tokens"], ref["top"], answer["argmax"]):
+        for w, t, g in zip(want, top, got):
+            positions += 1
+            equal += g == w
+            in_top += g in t
+    finite = answer.get("finite", False)
+    agrees = finite and positions > 0 and in_top == positions and equal >= AGREE * positions
+    return {"positions": positions, "equal": equal, "in_top_k": in_top, "features_finite": finite, "agrees": agrees}
+
+
+def _run_child(spec: Spec, ref: dict | None) -> tuple[dict | None, str | None]:
+    """(the child's answer, None) or (None, why it failed)."""
+    job = json.dumps({"spec": asdict(spec), "reference": ref})
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", __name__], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    err: list[str] = []
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)], daemon=True).start()
+    threading.Thread(target=lambda: [err.append(x) for x in proc.stderr], daemon=True).start()
+    proc.stdin.write(job)
+    proc.stdin.close()
+    answer, phase = None, "load"
+    deadline = time.monotonic() + LOAD_TIMEOUT_S
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                limit = LOAD_TIMEOUT_S if phase == "load" else RUN_TIMEOUT_S
+                return None, f"no answer within {limit:.0f} s ({'loading' if phase == 'load' else 'decoding'}: hung)"
+            if line is None:
+                break
+            if line.startswith(MARK):
+                msg = json.loads(line[len(MARK):])
+                if msg.get("loaded"):
+                    phase, deadline = "run", time.monotonic() + RUN_TIMEOUT_S
+                elif "answer" in msg:
+                    answer = msg["answer"]
+                elif "error" in msg:
+                    answer = {"error": msg["error"]}
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    tail = " | ".join(x.strip() for x in err[-3:] if x.strip())
+    if rc < 0:
+        name = signal.Signals(-rc).name
+        where = "while loading" if phase == "load" else "in a batched decode"
+        return None, f"killed by {name} {where}" + (f" ({tail})" if tail else "")
+    if answer is None or "error" in answer:
+        why = answer["error"] if answer else f"exited with status {rc} and no answer"
+        return None, f"failed: {why}"
+    return answer, None
+
+
+# --- the child ---------------------------------------------------------------------------------
+
+
+def _say(**msg) -> None:
+    print(MARK + json.dumps(msg), flush=True)
+
+
+def _child() -> None:
+    import importlib
+
+    import torch
+
+    from dflash.engine.target.protocol import TargetRow
+
+    job = json.loads(sys.stdin.read())
+    spec, ref = Spec(**job["spec"]), job["reference"]
+    module, _, func = spec.builder.partition(":")
+    try:
+        target = getattr(importlib.import_module(module), func)(**spec.kwargs)
+    except DFlashError as exc:
+        _say(error=exc.message)
+        return
+    _say(loaded=True)
+    if ref is None:  # the reference: tokenize, decode greedily
+        tok = target.tokenizer
+        prompts = [list(tok(p)["input_ids"]) if tok is not None else [(100 + 7 * i + j) % target.vocab_size
+                                                                      for j in range(8)] for i, p in enumerate(PROMPTS)]
+        forced = None
+    else:
+        prompts, forced = ref["prompts"], ref["tokens"]
+    layers = tuple(sorted({0, max(0, target.num_layers // 2 - 1)}))
+    seqs = [target.new_sequence() for _ in prompts]
+    out = target.forward_batch([TargetRow(s, p, 1) for s, p in zip(seqs, prompts)], layers)
+    argmax, top, tokens = [[] for _ in prompts], [[] for _ in prompts], [[] for _ in prompts]
+    finite = True
+    for step in range(NEW_TOKENS):
+        nxt = []
+        for i, (logits, feats) in enumerate(zip(out.logits, out.features)):
+            finite &= bool(torch.isfinite(logits).all()) and (feats is None or bool(torch.isfinite(feats).all()))
+            a = int(logits[-1].argmax())
+            argmax[i].append(a)
+            top[i].append([int(t) for t in logits[-1].topk(TOP_K).indices])
+            nxt.append(forced[i][step] if forced is not None else a)
+            tokens[i].append(nxt[-1])
+        if step + 1 < NEW_TOKENS:
+            out = target.forward_batch([TargetRow(s, [t], 1) for s, t in zip(seqs, nxt)], layers)
+    _say(answer={"prompts": prompts, "tokens": tokens, "top": top, "argmax": argmax, "finite": finite})
+
+
+if __name__ == "__main__":
+    _child()
