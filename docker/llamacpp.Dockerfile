@@ -1,10 +1,11 @@
 # llama.cpp's llama-server serving the default target (SmolLM2-135M-Instruct Q4_1) with the
 # shipped drafter as its DFlash draft model: the endpoint of docker/compose.llamacpp.yaml.
-# The build context is NOT the repository: it is made from this machine's llama.cpp build
-# (from the llama-cpp-python sdist, as `make peers` builds it) and the model files by
+# The build context is NOT the repository: it is made from llama.cpp's portable build (from the
+# llama-cpp-python sdist with dflash.llamacpp_build.PORTABLE) and the model files by
 #   make images-llamacpp
 # (python -m dflash.bench.llamacpp image-context DIR, then docker build -f this file DIR).
-# The binaries are built for this machine's CPU (GGML_NATIVE): the image runs on CPUs like it.
+# The binaries are built for x86-64 with AVX2 (no AVX-512, no AMX), not for the building CPU:
+# the image runs on every CPU kind here (docs/cpus.md has what that costs against a native build).
 # Where a registry answers, llama.cpp's own image (ghcr.io/ggml-org/llama.cpp:server, a build
 # with src/models/dflash.cpp) runs the same command on the same two files.
 ARG BASE_IMAGE=debian:bookworm-slim

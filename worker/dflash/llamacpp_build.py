@@ -8,6 +8,7 @@ the llama-server image (the portable set).
     python3 worker/dflash/llamacpp_build.py binding     # CMAKE_ARGS for llama-cpp-python
     python3 worker/dflash/llamacpp_build.py tools       # cmake flags for llama-server/-bench
     python3 worker/dflash/llamacpp_build.py portable    # the same, for an image pulled elsewhere
+    python3 worker/dflash/llamacpp_build.py digest      # names the binding's flags (the Makefile's stamp)
 """
 
 from __future__ import annotations
@@ -44,7 +45,14 @@ def cmake_args(which: str) -> str:
     return shlex.join(SETS[which])
 
 
+def digest() -> str:
+    """A short name of the binding's flags: a change of them makes `make setup` rebuild it."""
+    import hashlib
+
+    return hashlib.sha256(cmake_args("binding").encode()).hexdigest()[:12]
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in SETS:
-        sys.exit(f"usage: {sys.argv[0]} {'|'.join(SETS)}")
-    print(cmake_args(sys.argv[1]))
+    if len(sys.argv) != 2 or sys.argv[1] not in (*SETS, "digest"):
+        sys.exit(f"usage: {sys.argv[0]} {'|'.join(SETS)}|digest")
+    print(digest() if sys.argv[1] == "digest" else cmake_args(sys.argv[1]))

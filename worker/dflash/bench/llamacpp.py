@@ -68,9 +68,10 @@ def source_dir() -> Path:
     return home() / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
 
 
-def build_dir() -> Path:
-    """One build per CPU type: a native build from one machine can fault on another."""
-    return home() / f"build-{cpu_key()}"
+def build_dir(portable: bool = False) -> Path:
+    """One native build per CPU type (a native build from one machine can fault on another),
+    and one portable build (llamacpp_build.PORTABLE: what an image carries) for every CPU."""
+    return home() / ("build-portable" if portable else f"build-{cpu_key()}")
 
 
 def cpu_key() -> str:
@@ -85,8 +86,8 @@ def cpu_key() -> str:
     return hashlib.sha256(f"{platform.machine()} {flags} {CMAKE_FLAGS}".encode()).hexdigest()[:12]
 
 
-def binary(name: str) -> Path:
-    return build_dir() / "bin" / name
+def binary(name: str, portable: bool = False) -> Path:
+    return build_dir(portable) / "bin" / name
 
 
 def _say(msg: str) -> None:
@@ -122,22 +123,26 @@ def ensure_source() -> Path:
     return source_dir()
 
 
-def ensure_built(jobs: int | None = None) -> Path:
-    """Configure and build once; later calls only check (cmake rebuilds nothing that is current)."""
-    stamp = build_dir() / "pg_dflash-build.json"
-    want = {"version": VERSION, "flags": CMAKE_FLAGS, "binaries": list(BINARIES)}
-    if stamp.is_file() and json.loads(stamp.read_text()) == want and all(binary(b).is_file() for b in BINARIES):
-        return build_dir()
+def ensure_built(jobs: int | None = None, portable: bool = False) -> Path:
+    """Configure and build once; later calls only check (cmake rebuilds nothing that is current).
+    `portable`: the build an image carries (llamacpp_build.PORTABLE), not this CPU's."""
+    flags = llamacpp_build.PORTABLE if portable else CMAKE_FLAGS
+    out = build_dir(portable)
+    stamp = out / "pg_dflash-build.json"
+    want = {"version": VERSION, "flags": flags, "binaries": list(BINARIES)}
+    if stamp.is_file() and json.loads(stamp.read_text()) == want and all(binary(b, portable).is_file()
+                                                                            for b in BINARIES):
+        return out
     for tool in ("cmake", "ninja", "c++"):
         if shutil.which(tool) is None:
             raise DFlashError("peer_failed", f"building llama.cpp needs {tool} (Debian: apt-get install cmake ninja-build g++)")
     src = ensure_source()
     log = home() / "build.log"
-    _say(f"building llama.cpp {VERSION} into {build_dir()} (15-30 minutes on 2 cores; log {log})")
-    _run(["cmake", "-S", src, "-B", build_dir(), *CMAKE_FLAGS], log)
-    _run(["cmake", "--build", build_dir(), "-j", str(jobs or os.cpu_count() or 2), "--target", *BINARIES], log)
+    _say(f"building llama.cpp {VERSION} into {out} (15-30 minutes on 2 cores; log {log})")
+    _run(["cmake", "-S", src, "-B", out, *flags], log)
+    _run(["cmake", "--build", out, "-j", str(jobs or os.cpu_count() or 2), "--target", *BINARIES], log)
     stamp.write_text(json.dumps(want) + "\n")
-    return build_dir()
+    return out
 
 
 # --- llama.cpp's own converter ---------------------------------------------------------------
@@ -435,15 +440,16 @@ def image_context(out: Path) -> Path:
     """A Docker build context for docker/llamacpp.Dockerfile (`make images-llamacpp`): this
     machine's llama-server build (built first if need be) with its shared libraries, the
     default target's Q4_1 GGUF and the shipped drafter's GGUF, and the draft length. The build
-    is native (GGML_NATIVE): the image runs on CPUs like this one."""
-    ensure_built()
+    is the portable one (llamacpp_build.PORTABLE: x86-64-v3, no AVX-512, no AMX), so the image
+    runs on every x86-64 CPU with AVX2, not only on CPUs like this one."""
+    ensure_built(portable=True)
     target, drafter, draft_max = default_files(True)
     if out.exists():
         shutil.rmtree(out)
     (out / "bin").mkdir(parents=True)
     (out / "models").mkdir()
-    bins = build_dir() / "bin"
-    shutil.copy2(binary("llama-server"), out / "bin" / "llama-server")
+    bins = build_dir(portable=True) / "bin"
+    shutil.copy2(binary("llama-server", portable=True), out / "bin" / "llama-server")
     for lib in sorted(bins.glob("*.so*")):  # libllama, libggml*, libmtmd and their soname links
         if lib.is_symlink():
             (out / "bin" / lib.name).symlink_to(os.readlink(lib))
@@ -454,7 +460,7 @@ def image_context(out: Path) -> Path:
     (out / "models" / "draft-n-max").write_text(f"{draft_max}\n")
     (out / "models" / "README").write_text(
         f"target.gguf: {target.name}; drafter.gguf: {drafter.name} (dflash convert --to gguf); "
-        f"llama.cpp from the {SDIST} {VERSION} sdist, built for this machine's CPU\n")
+        f"llama.cpp from the {SDIST} {VERSION} sdist, built portable (x86-64 with AVX2)\n")
     _say(f"image context in {out}")
     return out
 
@@ -485,6 +491,30 @@ def serve(port: int, host: str = "127.0.0.1", threads: int | None = None, parall
     return 0 if stop["signal"] is not None else (code or 1)
 
 
+def compare_builds(threads: int = 2, repeats: int = 5) -> dict:
+    """What the portable build (the image's) costs against this CPU's native one: llama-bench
+    of each on the default target's GGUF, a 4-token prefill (a verify's rows) and 32 decoded
+    tokens, tokens per second. Both builds are made first where missing."""
+    target, _, _ = default_files(False)
+    out = {"cpu": _cpu_name(), "threads": threads, "model": target.name, "builds": {}}
+    for portable in (False, True):
+        ensure_built(portable=portable)
+        cmd = [binary("llama-bench", portable), "-m", target, "-p", "4", "-n", "32", "-t", str(threads),
+               "-r", str(repeats), "-o", "json"]
+        rows = json.loads(subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=True).stdout)
+        out["builds"]["portable" if portable else "native"] = {
+            ("prefill_4" if r["n_prompt"] else "decode"): round(r["avg_ts"], 1) for r in rows}
+    n, p = out["builds"]["native"], out["builds"]["portable"]
+    out["portable_over_native"] = {k: round(p[k] / n[k], 3) for k in n}
+    return out
+
+
+def _cpu_name() -> str:
+    from dflash.engine.costs import cpu_name
+
+    return cpu_name()
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -502,10 +532,20 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("image-context", help="a Docker build context for docker/llamacpp.Dockerfile: this build, "
                        "the default target and drafter (make images-llamacpp)")
     c.add_argument("out", type=Path, help="the folder to write (replaced)")
+    b = sub.add_parser("build", help="build llama-server and llama-bench (once; CI builds them for the remote tests)")
+    b.add_argument("--portable", action="store_true", help="the image's portable build instead of this CPU's")
+    k = sub.add_parser("compare-builds", help="llama-bench of the native and the portable build on this CPU (JSON)")
+    k.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     try:
         if args.command == "image-context":
             image_context(args.out)
+            return 0
+        if args.command == "build":
+            print(ensure_built(portable=args.portable))
+            return 0
+        if args.command == "compare-builds":
+            print(json.dumps(compare_builds(args.threads), indent=1))
             return 0
         return serve(args.port, args.host, args.threads, args.parallel, args.ctx, not args.no_drafter)
     except DFlashError as exc:
