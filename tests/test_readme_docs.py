@@ -56,7 +56,7 @@ GENERATED = {
     "bench-results": "README.md",  # python -m dflash.bench.readme RUN/results.json (finds docs/benchmarks.md)
     "current-results": "README.md",  # ... --section current-results
     "peers-results": "docs/benchmarks.md",  # make peers: --readme docs/benchmarks.md
-    "learning-results": "README.md",  # python -m dflash.bench.learning --readme README.md (as recorded)
+    "learning-results": "README.md",  # python -m tools.learning --readme README.md (as recorded)
 }
 
 

@@ -9,7 +9,7 @@ command that produced it (recorded in results.json by `dflash bench`; `--command
 older files). Without `--readme` the file is whichever of README.md and docs/*.md holds
 the section's markers: `current-results` (the fp32 path's auto run) and `bench-results` (the full run) are
 in docs/benchmarks.md. The other generators (`dflash.bench.peers --readme`,
-`dflash.bench.learning --readme`) write through `replace_section` too, so a `--readme
+`tools.learning --readme`) write through `replace_section` too, so a `--readme
 README.md` whose section has moved to docs/ still finds it there.
 """
 
