@@ -171,8 +171,8 @@ def main(argv=None) -> int:
     p.add_argument("--readme", type=Path,
                    help="the file to write (default: README.md or the docs/*.md page holding the section's markers)")
     p.add_argument("--command", help="the command of the run (default: as recorded in results.json)")
-    p.add_argument("--section", default=SECTION, help="the markers' name (current-results: README; "
-                                                      "bench-results: docs/benchmarks.md)")
+    p.add_argument("--section", default=SECTION, help="the markers' name (current-results, bench-results: docs/benchmarks.md; "
+                                                      "README's results-KIND: --current)")
     args = p.parse_args(argv)
     if args.current:
         if args.check:
