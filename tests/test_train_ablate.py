@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.train import ablate
+from tools import train_ablate as ablate
 from dflash.train.trainer import LINEAGE_FILE
 
 

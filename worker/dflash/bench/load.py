@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from dflash.processes import stop
+from dflash.plots import pyplot
 from dflash.serve.client import Client, WorkerError
 
 
@@ -193,10 +194,9 @@ def start_worker(tmp: str, args) -> tuple[subprocess.Popen, str]:
 
 
 def plot(report: dict, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     runs = report["runs"]
     c = [r["concurrency"] for r in runs]

@@ -44,6 +44,7 @@ from dflash.engine.engine import Engine, GenerationRequest, dtype_name
 
 from dflash.suites import SUITES, load_prompts_file, load_suite  # noqa: F401 (the bench's suites)
 from dflash.engine.stats import pooled_tau
+from dflash.plots import pyplot
 
 
 HF_SPECULATIVE = ("prompt-lookup", "assisted-ar")
@@ -445,10 +446,9 @@ def verify_length_table(results: list[dict]) -> str:
 
 
 def plot(report: dict, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     res = report["results"]
     suites = list(dict.fromkeys(r["suite"] for r in res))

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from dflash.engine.drafter import DFlashDrafter, save_drafter
 from dflash.errors import DFlashError
+from dflash.plots import pyplot
 from dflash.train.blockwise import forward_blocks
 from dflash.train.objective import (WEIGHTINGS, build_blocks, cosine_lr, dpace_weights, sample_anchors, slot_weights,
                                     token_losses)
@@ -396,10 +397,9 @@ def train(drafter: DFlashDrafter, target, store, out: Path, cfg: TrainConfig, re
 def plot_losses(losses: list, path: Path) -> None:
     if not losses:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     steps, secs, vals = zip(*losses)
     fig, ax = plt.subplots(figsize=(6, 3.5))

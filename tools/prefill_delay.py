@@ -1,6 +1,6 @@
 """How long a long prompt delays requests that are decoding: chunked prefill, measured.
 
-    python -m dflash.bench.prefill_delay [--prompt-tokens 4000] [--decoding 4] [--threads 2]
+    python -m tools.prefill_delay [--prompt-tokens 4000] [--decoding 4] [--threads 2]
                                          [--step-tokens N] [--out DIR]
 
 Four requests decode (plain steps, block size 1, so every step is alike); then a prompt of

@@ -1,6 +1,6 @@
 """Where one drafter training step's time goes, on this machine.
 
-    python -m dflash.train.profile [--layers 4] [--seq-len 400] [--response 220] [--repeat 3] [--out F]
+    python -m tools.train_profile [--layers 4] [--seq-len 400] [--response 220] [--repeat 3] [--out F]
 
 Times one sequence's step (every response position an anchor) for the default target's
 geometry (SmolLM2-135M: hidden 576, vocabulary 49,152) on random features, part by part

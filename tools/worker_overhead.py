@@ -1,6 +1,6 @@
 """Round-trip overhead of the worker socket: the same request in-process and over the socket.
 
-    python -m dflash.bench.worker_overhead [--n 100] [--out bench-out]
+    python -m tools.worker_overhead [--n 100] [--out bench-out]
 
 Runs the worker in this process (its own threads, a temp socket), so both paths use
 the same loaded models; reports medians of n repetitions of an `embed` of one short

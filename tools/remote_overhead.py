@@ -1,6 +1,6 @@
 """What the remote backend costs per call over calling the inference server directly.
 
-    python -m dflash.bench.remote_overhead [--n 30] [--max-new-tokens 16] [--out bench-out]
+    python -m tools.remote_overhead [--n 30] [--max-new-tokens 16] [--out bench-out]
                                            [--endpoint URL] [--no-sql]
 
 Against llama-server with the default target and drafter (started here, like
@@ -115,7 +115,7 @@ def sql_caller(socket_dir: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash.bench.remote_overhead",
+    ap = argparse.ArgumentParser(prog="python -m tools.remote_overhead",
                                  description="per-call cost of the remote backend over calling llama-server directly")
     ap.add_argument("--n", type=int, default=30, help="calls per path (interleaved; medians)")
     ap.add_argument("--max-new-tokens", type=int, default=16)

@@ -1,6 +1,6 @@
 """Does ONNX Runtime draft faster than PyTorch here? One drafter, both runtimes, same calls.
 
-`python -m dflash.bench.drafter_runtime [--drafter DIR] [--threads N] [--steps N]
+`python -m tools.drafter_runtime [--drafter DIR] [--threads N] [--steps N]
 [--engine-prompts N] [--out DIR]`
 
 Replays the drafter calls of a generation: a prompt's context rows first, then one call
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.loading import load_drafter
     from dflash.model_files import default_drafter_dir
 
-    ap = argparse.ArgumentParser(prog="python -m dflash.bench.drafter_runtime", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.drafter_runtime", description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafter", help="drafter folder (default: the shipped one)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-rows", type=int, default=120)

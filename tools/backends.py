@@ -1,6 +1,6 @@
 """What each target backend and each drafter precision costs on this machine.
 
-    python -m dflash.bench.backends [--threads 2] [--repeats 9] [--out DIR]
+    python -m tools.backends [--threads 2] [--repeats 9] [--out DIR]
 
 For every target backend that runs here (hf: transformers fp32, the reference; llamacpp:
 the shipped Q4_1 GGUF; ort: the int8 ONNX export): one forward of T new tokens after a
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     from dflash.loading import load_versioned, target_builders
     from dflash.model_files import default_drafter_dir, default_target_gguf, ensure_default_target
 
-    p = argparse.ArgumentParser(prog="python -m dflash.bench.backends", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.backends", description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--out", default="bench-out")

@@ -6,8 +6,8 @@ same budget of process CPU time, with the cosine ending when the budget does. Ar
 after another (two torch jobs at once would skew each other's time), and each is scored by
 the held-out τ estimate (simulate.py) before and after: the gain per CPU-hour decides.
 
-    python -m dflash.train.ablate --out RUN --init-from DRAFTER --cpu-minutes 16 --threads 1
-    python -m dflash.train.ablate --out RUN --report          # the table again, from RUN
+    python -m tools.train_ablate --out RUN --init-from DRAFTER --cpu-minutes 16 --threads 1
+    python -m tools.train_ablate --out RUN --report          # the table again, from RUN
 
 An arm whose folder holds a finished drafter is not run again; an interrupted arm starts
 over (its budget must be spent in one call to compare with the others).
@@ -22,6 +22,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from dflash.plots import pyplot
 
 # name -> `dflash train` options. Items 3 and 4 of the drafter issue: the acceptance-aware
 # weighting against the paper's decay, fewer loss slots, soft targets, and training at block 8.
@@ -75,10 +77,9 @@ def plot(results: dict, path: Path) -> None:
     done = {n: r for n, r in results.items() if not r.get("missing")}
     if not done:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for i, group in enumerate(("code", "chat")):

@@ -1,6 +1,6 @@
 """A drafter that learns from its own workload, measured: τ and tokens/s per round.
 
-    python -m dflash.bench.learning --rounds 3 --prompts-per-round 40 --out DIR
+    python -m tools.learning --rounds 3 --prompts-per-round 40 --out DIR
 
 Everything runs through the SQL path on a throwaway cluster (dflash.localpg), with the
 worker in this process on the embedded default models, as `dflash demo` and
@@ -8,7 +8,7 @@ worker in this process on the embedded default models, as `dflash demo` and
 
 - a member role (`learning_app`) consents to training on its direct calls
   (dflash.training_consent) and sends the workload: repeated-template agent requests
-  (dflash.bench.workload), `SELECT dflash_generate_stats(prompt, block_size => B)`;
+  (tools.workload), `SELECT dflash_generate_stats(prompt, block_size => B)`;
 - round 0 runs with the shipped drafter; after each round `dflash train --from-database`
   (dflash.train.from_database, as the role `learning_trainer` in dflash_trainer) fine-tunes the
   current drafter on every row collected so far for a fixed number of optimiser steps, keeps
@@ -35,14 +35,15 @@ from pathlib import Path
 import psycopg
 import torch
 
-from dflash.bench.workload import rounds as workload_rounds
+from dflash.engine.stats import pooled_tau
 from dflash.loading import load_engine
 from dflash.localpg import start_local_cluster
 from dflash.model_files import resolve_models
+from dflash.plots import pyplot
 from dflash.serve.server import Worker
 from dflash.train import from_database
 from dflash.train.from_database import Filters, Settings
-from dflash.engine.stats import pooled_tau
+from tools.workload import rounds as workload_rounds
 
 APP, TRAINER, ADMIN = "learning_app", "learning_trainer", "learning_admin"
 README_START, README_END = "<!-- learning-results:start -->", "<!-- learning-results:end -->"
@@ -129,10 +130,9 @@ def fine_tune(dsn: str, worker: Worker, out: Path, target_dir: Path, args) -> di
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     rows = report["rounds"]
     x = [r["round"] for r in rows]
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     report = {"rounds": [], "settings": {k: getattr(args, k) for k in ("rounds", "prompts_per_round",
                                                                       "max_new_tokens", "block_size", "train_steps",
                                                                       "lr", "seqs_per_step", "seed")},
-              "command": "python -m dflash.bench.learning " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": "python -m tools.learning " + " ".join(argv if argv is not None else sys.argv[1:]),
               "target": engine.target.name, "drafter": engine.drafter_name, "threads": torch.get_num_threads(),
               "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
               "load_average_at_start": os.getloadavg()[0], "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
