@@ -44,3 +44,21 @@ def test_the_amx_flags_are_written_in_one_place():
     hits = subprocess.run(["git", "-C", str(REPO), "grep", "-l", "--untracked", "mno-" + "amx"], capture_output=True,
                           text=True).stdout
     assert hits.split() == ["worker/dflash/llamacpp_build.py"]
+
+
+def test_the_build_comparison_keeps_one_line_per_cpu(tmp_path):
+    doc = tmp_path / "cpus.md"
+    doc.write_text("text\n<!-- compare-builds:start -->\n<!-- compare-builds:end -->\nmore\n")
+
+    def result(cpu, decode):
+        return {"cpu": cpu, "builds": {"native": {"prefill_4": 200.0, "decode": 100.0},
+                                       "portable": {"prefill_4": 150.0, "decode": decode}},
+                "portable_over_native": {"prefill_4": 0.75, "decode": decode / 100.0}}
+
+    peer.write_comparison(doc, result("CPU A", 90.0))
+    peer.write_comparison(doc, result("CPU B", 80.0))
+    peer.write_comparison(doc, result("CPU A", 95.0))  # measured again: replaced, not added
+    text = doc.read_text()
+    assert text.startswith("text\n") and text.endswith("more\n")
+    assert text.count("| CPU A |") == 1 and "| 95.0 (0.95×) |" in text and "| CPU B |" in text
+    assert "90.0" not in text

@@ -509,6 +509,25 @@ def compare_builds(threads: int = 2, repeats: int = 5) -> dict:
     return out
 
 
+def write_comparison(doc: Path, result: dict) -> None:
+    """compare_builds' result as a table between the page's compare-builds markers, under the
+    CPU it ran on (a page keeps one line per CPU kind measured)."""
+    from dflash.bench.readme import markers
+
+    start, end = markers("compare-builds")
+    text = doc.read_text()
+    head, rest = text.split(start, 1)
+    body, tail = rest.split(end, 1)
+    rows = {line.split(" | ")[0]: line for line in body.strip().splitlines()[2:] if line.startswith("| ")}
+    n, p = result["builds"]["native"], result["builds"]["portable"]
+    rows[f"| {result['cpu']}"] = (f"| {result['cpu']} | {n['prefill_4']} | {p['prefill_4']} "
+                                  f"({result['portable_over_native']['prefill_4']:.2f}×) | {n['decode']} | {p['decode']} "
+                                  f"({result['portable_over_native']['decode']:.2f}×) |")
+    table = ["| CPU | native prefill of 4, tokens/s | portable | native decode, tokens/s | portable |",
+             "|---|---|---|---|---|", *rows.values()]
+    doc.write_text(head + start + "\n" + "\n".join(table) + "\n" + end + tail)
+
+
 def _cpu_name() -> str:
     from dflash.engine.costs import cpu_name
 
@@ -536,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--portable", action="store_true", help="the image's portable build instead of this CPU's")
     k = sub.add_parser("compare-builds", help="llama-bench of the native and the portable build on this CPU (JSON)")
     k.add_argument("--threads", type=int, default=2)
+    k.add_argument("--doc", type=Path, help="also write the table between the page's compare-builds markers "
+                   "(docs/cpus.md)")
     args = p.parse_args(argv)
     try:
         if args.command == "image-context":
@@ -545,7 +566,10 @@ def main(argv: list[str] | None = None) -> int:
             print(ensure_built(portable=args.portable))
             return 0
         if args.command == "compare-builds":
-            print(json.dumps(compare_builds(args.threads), indent=1))
+            result = compare_builds(args.threads)
+            print(json.dumps(result, indent=1))
+            if args.doc:
+                write_comparison(args.doc, result)
             return 0
         return serve(args.port, args.host, args.threads, args.parallel, args.ctx, not args.no_drafter)
     except DFlashError as exc:
