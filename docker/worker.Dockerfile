@@ -63,8 +63,9 @@ RUN sh /usr/local/lib/dflash/users.sh worker
 COPY --from=deps /opt/venv /opt/venv
 COPY --from=models /models /models
 # The models are read-only to the worker; the device cost curve it measures at start-up is
-# kept in the cache's costs/ (a volume in compose.yaml, so a restart reuses it).
-RUN install -d -o dflash -g dflash-socket -m 0755 /models/costs
+# kept in the cache's costs/ (a volume in compose.yaml, so a restart reuses it), and its
+# target backends' probe verdicts on the CPU it runs on in probes/ (docs/cpus.md).
+RUN install -d -o dflash -g dflash-socket -m 0755 /models/costs /models/probes
 COPY worker /opt/dflash/worker
 COPY --from=app /stage/ /
 RUN python3 -m compileall -q /opt/dflash/worker

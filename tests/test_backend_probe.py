@@ -166,3 +166,22 @@ def test_auto_starts_and_serves_on_the_next_backend(fakes, monkeypatch, tmp_path
     # a second start reads the verdict: no child runs
     monkeypatch.setattr(probe, "_run_child", lambda *a: pytest.fail("probed again"))
     loading.load_engine(smol_dir, shared / "fixtures/quick-drafter", head="none")
+
+
+def test_a_cache_that_cannot_be_written_keeps_the_verdict_for_this_process(fakes, tmp_path, capsys):
+    """A read-only model folder (an image's) must not stop the worker: the verdict holds for
+    this start, and the next start probes again."""
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):  # root ignores the mode: make writing fail another way
+            ro.chmod(0o700)
+            ro.rmdir()
+            ro.write_text("a file where the folder should be")
+        v = probe.verdict("segv", "fake-target", spec("segv"), spec("ok"), ro)
+    finally:
+        if ro.is_dir():
+            ro.chmod(0o700)
+    assert not v.usable and "SIGSEGV" in v.reason
+    assert "cannot keep a backend probe's verdict" in capsys.readouterr().err

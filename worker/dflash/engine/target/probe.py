@@ -154,16 +154,26 @@ def verdict(backend: str, target_dir: str | Path, spec: Spec, reference: Spec | 
             build: dict | None = None) -> Verdict:
     """The kept verdict for `backend` on this machine and target, else a probe's (then kept).
     `build`: what else makes the backend's code (an export's build)."""
-    from dflash.engine.costs import write_keyed
-
     key = key_of(backend, target_dir, build)
     got = cached(directory, key)
     if got is not None:
         return got
     ref = reference_tokens(target_dir, reference, directory) if reference is not None else None
     v = _probe(backend, key, spec, ref)
-    write_keyed(_path(directory, key), asdict(v))
+    _keep(_path(directory, key), asdict(v))
     return v
+
+
+def _keep(path: Path, record: dict) -> None:
+    """Keep a verdict; where the cache cannot be written (a read-only model folder) the verdict
+    still holds for this process, and the next start probes again."""
+    from dflash.engine.costs import write_keyed
+
+    try:
+        write_keyed(path, record)
+    except OSError as exc:
+        print(f"dflash: warning: cannot keep a backend probe's verdict in {path.parent} ({exc}); "
+              "the next start probes again", file=sys.stderr)
 
 
 def require(backend: str, target_dir, spec: Spec, reference: Spec | None, directory: Path,
@@ -180,8 +190,6 @@ def require(backend: str, target_dir, spec: Spec, reference: Spec | None, direct
 def reference_tokens(target_dir, spec: Spec, directory: Path) -> dict | None:
     """The reference path's prompts, greedy tokens and top-k per position (kept like a
     verdict); None where the reference itself could not run (then only crashes are judged)."""
-    from dflash.engine.costs import write_keyed
-
     key = {**key_of(REFERENCE, target_dir), "prompts": list(PROMPTS), "new_tokens": NEW_TOKENS}
     path = _path(directory, key)
     try:
@@ -192,7 +200,7 @@ def reference_tokens(target_dir, spec: Spec, directory: Path) -> dict | None:
         pass
     answer, _ = _run_child(spec, None)
     ref = answer if isinstance(answer, dict) else None
-    write_keyed(path, {"key": key, "cpu": key["cpu"], "reference": ref})
+    _keep(path, {"key": key, "cpu": key["cpu"], "reference": ref})
     return ref
 
 
