@@ -308,7 +308,8 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    "http://vllm:8000/v1")
     p.add_argument("--api-key-file", help="a file holding the endpoint's API key (sent as a Bearer token)")
     p.add_argument("--model", help="the served model's name (default: the first the endpoint lists); its tokenizer "
-                   "and chat template come from --target (default: the embedded SmolLM2's)")
+                   "and chat template come from --target (a folder, the GGUF file the server runs, or a model name; "
+                   "default: the embedded SmolLM2's), checked at start against the server's /tokenize")
 
 
 def check_backend_args(args) -> bool:
@@ -334,15 +335,14 @@ def engine_from_args(args):
     only the target's tokenizer."""
     import torch
 
-    from dflash.model_files import cost_dir, ensure_default_target, resolve_models, resolve_target
+    from dflash.model_files import cost_dir, resolve_models, resolve_target, resolve_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     if check_backend_args(args):
         from dflash.remote.engine import remote_engine
 
-        return remote_engine(args.endpoint, args.target or ensure_default_target(quiet=True), args.model,
-                             args.api_key_file)
+        return remote_engine(args.endpoint, resolve_tokenizer(target_arg(args)), args.model, args.api_key_file)
     # The target's folder and its GGUF, where it has one (an image may hold only the embedded
     # default's converted folder: then the llamacpp backend is simply not a candidate).
     files = resolve_target(target_arg(args))

@@ -377,6 +377,30 @@ def ensure_default_drafter(target_dir: Path | None = None, quiet: bool = False) 
     return path, True
 
 
+def resolve_tokenizer(target: str | Path | None, quiet: bool = False) -> Path:
+    """A folder holding the tokenizer (and config) of --target, for a backend that runs no
+    weights here (--backend openai): the target's folder where it is one or is made already,
+    else the tokenizer alone, from the GGUF (a named model's is installed first)."""
+    from dflash.convert.target_gguf import convert_target, is_current, is_gguf
+
+    if target is None or Path(target).is_dir():
+        return resolve_target(target, quiet).folder
+    path = Path(target)
+    if not path.is_file() and str(target) in MODELS:
+        if _ready(cache_dir() / str(target)):
+            return cache_dir() / str(target)
+        path = ensure_gguf(str(target), quiet)
+    if not path.is_file():
+        return resolve_target(target, quiet).folder  # its clean refusal
+    if not is_gguf(path):
+        raise DFlashError("bad_target", f"--target {path} is neither a Hugging Face folder nor a GGUF file")
+    folder = gguf_target_dir(path)
+    if _ready(folder) and is_current(folder, path):
+        return folder
+    return convert_target(path, folder.with_name(folder.name + "-tokenizer"), str(path.resolve()), quiet,
+                          weights=False)
+
+
 def resolve_models(target: str | None, drafter: str | None, quiet: bool = False) -> tuple[Path, Path, bool]:
     """Fill in the embedded defaults for whatever was not given: (target folder, drafter,
     drafter_is_random). The default drafter fits the default target only."""

@@ -119,8 +119,10 @@ def is_current(folder: Path, gguf: Path) -> bool:
     return (marker["size"], marker["mtime_ns"]) == (st.st_size, st.st_mtime_ns)
 
 
-def convert_target(gguf: Path, out: Path, source: str, quiet: bool = False) -> Path:
-    """`gguf` as a Hugging Face folder at `out` (once; returns `out`)."""
+def convert_target(gguf: Path, out: Path, source: str, quiet: bool = False, weights: bool = True) -> Path:
+    """`gguf` as a Hugging Face folder at `out` (once; returns `out`). `weights=False`: the
+    tokenizer and config only (what a remote backend needs of the served model; seconds,
+    not minutes, and megabytes, not gigabytes)."""
     gguf = Path(gguf)
     if (out / MARKER).is_file() and is_current(out, gguf):
         return out
@@ -131,12 +133,12 @@ def convert_target(gguf: Path, out: Path, source: str, quiet: bool = False) -> P
                           f"(transformers reads GGUF targets of: {', '.join(sorted(known))})")
     import torch
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     size = gguf.stat().st_size
     if not quiet:
         say(f"converting {gguf.name} ({header.architecture}, {size / 2**20:,.0f} MiB) to a Hugging Face folder in "
-            f"{out} (once)")
+            f"{out}{'' if weights else ' (its tokenizer and config)'} (once)")
     out.parent.mkdir(parents=True, exist_ok=True)
     stages = tqdm(total=3, desc="preparing target", unit="stage", disable=quiet, file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
@@ -145,25 +147,30 @@ def convert_target(gguf: Path, out: Path, source: str, quiet: bool = False) -> P
             stages.set_postfix_str("tokenizer")
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             stages.update()
-            stages.set_postfix_str("dequantize weights")
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            stages.set_postfix_str("dequantize weights" if weights else "config")
+            model = (AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+                     if weights else None)
+            config = model.config if weights else AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         except MemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 (whatever transformers finds wrong with the file, it is the file's)
             raise DFlashError("bad_target", f"{gguf} (architecture '{header.architecture}'): transformers cannot "
                               f"load it: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
         # The weights are plain fp32 now; drop the GGUF marker so save_pretrained writes safetensors.
-        model.hf_quantizer = None
-        model.is_quantized = False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
         stages.update()
         stages.set_postfix_str("save")
-        model.save_pretrained(tmp)
+        if weights:
+            model.hf_quantizer = None
+            model.is_quantized = False
+            model.save_pretrained(tmp)
+            del model
+        else:
+            config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        del model
         (tmp / MARKER).write_text(json.dumps({"source": source, "architecture": header.architecture,
-                                              **_stamp(gguf)}) + "\n")
+                                              "weights": weights, **_stamp(gguf)}) + "\n")
         stages.update()
         if out.exists():
             shutil.rmtree(out)
