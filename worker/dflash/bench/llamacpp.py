@@ -512,7 +512,7 @@ def compare_builds(threads: int = 2, repeats: int = 5) -> dict:
 def write_comparison(doc: Path, result: dict) -> None:
     """compare_builds' result as a table between the page's compare-builds markers, under the
     CPU it ran on (a page keeps one line per CPU kind measured)."""
-    from dflash.bench.readme import markers
+    from dflash.bench.sections import markers
 
     start, end = markers("compare-builds")
     text = doc.read_text()

@@ -26,6 +26,7 @@ import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
+from dflash.chat import chat_prompt_ids
 from dflash.engine.costs import CostCurve
 from dflash.engine.knobs import PolicyConfig
 from dflash.engine.policy import BlockPolicy, Prior
@@ -143,8 +144,7 @@ def replay_run(run_dir: Path) -> list[dict]:
         rows = [journal.get((suite, i)) for i in range(len(prompts_text))]
         if not all(rows):
             raise SystemExit(f"{run_dir}: suite {suite} has no `ar` output for every prompt")
-        prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                      tokenize=True, return_dict=False)) for t in prompts_text]
+        prompts = [chat_prompt_ids(tokenizer, t) for t in prompts_text]
         if any(len(p) != r["prompt_len"] for p, r in zip(prompts, rows)):
             raise SystemExit(f"{run_dir}: suite {suite}'s prompts tokenise differently now")
         r = replay_suffix(prompts, [r["output_ids"] for r in rows], report["verify_s"],

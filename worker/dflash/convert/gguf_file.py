@@ -150,13 +150,15 @@ def write_gguf_drafter(cfg: DrafterConfig, state: dict[str, torch.Tensor], out: 
 # --- reading -------------------------------------------------------------------------
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
+def open_gguf(path: Path, code: str = "bad_drafter") -> gguf.GGUFReader:
+    """The file's reader; `code`: the error code of a file missing or unreadable (a drafter's
+    by default; bad_target for a target)."""
     if not path.is_file():
-        raise DFlashError("bad_drafter", f"GGUF file not found: {path}")
+        raise DFlashError(code, f"GGUF file not found: {path}")
     try:
         return gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:
-        raise DFlashError("bad_drafter", f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
+        raise DFlashError(code, f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
 
 
 def field_value(reader: gguf.GGUFReader, key: str, default=None):

@@ -214,11 +214,9 @@ class RequestChecks:
                 f"prompt of {len(req.prompt)} characters is at least {at_least} tokens, past the context length {ctx}",
             )
         if req.chat:
-            if not self.tokenizer.chat_template:
-                raise DFlashError("bad_prompt", "this target's tokenizer has no chat template")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": req.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            from dflash.chat import chat_prompt_ids
+
+            ids = chat_prompt_ids(self.tokenizer, req.prompt)
         else:
             ids = self.tokenizer(req.prompt).input_ids
         return list(ids)

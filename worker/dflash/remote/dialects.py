@@ -73,6 +73,11 @@ class LlamaCpp:
         return body
 
     @staticmethod
+    def tokenize_body(text: str) -> dict:
+        """/tokenize: the ids of `text`, its special-token text parsed, no BOS added."""
+        return {"content": text, "add_special": False, "parse_special": True}
+
+    @staticmethod
     def parse(obj: dict) -> Piece:
         piece = Piece(ids=_ints(obj.get("tokens", []), "tokens"), text=_text(obj.get("content"), "content"))
         if "stop" not in obj:
@@ -120,6 +125,10 @@ class OpenAI:
         if opts["stop_ids"]:
             body["stop_token_ids"] = list(opts["stop_ids"])
         return body
+
+    def tokenize_body(self, text: str) -> dict:
+        """vLLM's /tokenize (SGLang's too): the served tokenizer's ids of `text`, no BOS added."""
+        return {"model": self.model, "prompt": text, "add_special_tokens": False}
 
     @staticmethod
     def parse(obj: dict) -> Piece:
@@ -184,6 +193,18 @@ def probe(endpoint: Endpoint, model: str | None):
     if isinstance(props, dict) and "default_generation_settings" in props:
         return LlamaCpp(model, props), models
     return OpenAI(model, models, endpoint), models
+
+
+TOKENIZE_PATH = "/tokenize"  # llama-server's and vLLM's (at the server's root, not under /v1)
+
+
+def served_ids(endpoint: Endpoint, dialect, text: str) -> list[int] | None:
+    """The served model's ids of `text` by the server's /tokenize; None when it has none."""
+    answer = endpoint.post_json(TOKENIZE_PATH, dialect.tokenize_body(text))
+    if answer is None:
+        return None
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
+    return _ints(tokens, "/tokenize tokens")
 
 
 def vocab_size(models: dict | None, model: str) -> int | None:

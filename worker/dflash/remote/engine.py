@@ -21,6 +21,7 @@ fails a request fails it with `endpoint_unavailable` or `endpoint_error`, raised
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,9 +32,14 @@ from dflash.engine.sampling import SamplingParams
 from dflash.engine.state import StepResult
 from dflash.engine.stats import GenerationStats
 from dflash.errors import DFlashError
-from dflash.remote.dialects import probe, vocab_size
+from dflash.remote.dialects import probe, served_ids, vocab_size
 from dflash.remote.openai_client import END, Endpoint, Piece, Stream
 
+log = logging.getLogger("dflash.remote")
+# Tokenised by the server and here at start-up: words, code, digits, whitespace runs and
+# scripts beyond ASCII, so two vocabularies that share a size (or most entries) still differ.
+TOKENIZER_PROBE = ("def área(r):\n    return 3.14159 * r ** 2  # Größe, naïve café, 東京, Москва 🙂\n\n"
+                   "\tSELECT id, \"name\" FROM t WHERE x >= 12345;   ")
 WAIT_S = 0.02  # the longest a step waits for news: the scheduler checks cancel and deadline between steps
 UNSUPPORTED = "the inference endpoint chooses its own draft lengths and verify rule"
 
@@ -327,10 +333,36 @@ def remote_engine(url: str, tokenizer_dir: str | Path, model: str | None = None,
     if served_vocab is not None and len(tokenizer) > served_vocab:
         raise DFlashError("bad_target", f"the tokenizer in {tokenizer_dir} has {len(tokenizer)} tokens, more than the "
                           f"served model's {served_vocab}: pass --target with the served model's tokenizer")
+    check_tokenizer(endpoint, dialect, tokenizer, tokenizer_dir)
     context = dialect.context_length or _context_of(tokenizer, tokenizer_dir)
     backend = "openai" if dialect.kind == "openai" else f"openai/{dialect.kind}"
     target = RemoteTarget(dialect.model, int(context), served_vocab or len(tokenizer), backend)
     return RemoteEngine(endpoint, dialect, tokenizer, target)
+
+
+def check_tokenizer(endpoint: Endpoint, dialect, tokenizer, source) -> bool:
+    """The ids sent are the served model's only if its tokenizer is ours: the server's
+    /tokenize must give our ids for a probe text and for that text in our chat template
+    (its markup: the special tokens' ids). A difference is bad_target; a server without
+    /tokenize cannot be checked (logged; False)."""
+    probes = [TOKENIZER_PROBE]
+    if getattr(tokenizer, "chat_template", None):
+        probes.append(tokenizer.apply_chat_template([{"role": "user", "content": TOKENIZER_PROBE}],
+                                                    add_generation_prompt=True, tokenize=False))
+    for text in probes:
+        served = served_ids(endpoint, dialect, text)
+        if served is None:
+            log.warning("the inference endpoint %s has no /tokenize: cannot check that the tokenizer of %s is the "
+                        "served model's", endpoint.url, source)
+            return False
+        ours = tokenizer(text, add_special_tokens=False).input_ids
+        if served != ours:
+            at = next((i for i, (a, b) in enumerate(zip(served, ours)) if a != b), min(len(served), len(ours)))
+            raise DFlashError("bad_target", f"the served model {dialect.model} does not tokenise as the tokenizer of "
+                              f"{source} does (a probe text: {len(served)} ids there, {len(ours)} here, first "
+                              f"difference at id {at}): pass --target with the served model's GGUF file, folder or "
+                              "name")
+    return True
 
 
 def _context_of(tokenizer, folder) -> int:

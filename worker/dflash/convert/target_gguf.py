@@ -1,0 +1,189 @@
+"""A target given as a GGUF file, as the Hugging Face folder every backend reads.
+
+transformers loads a GGUF of the architectures it knows (qwen2, llama, ... see
+`transformers.modeling_gguf_pytorch_utils.GGUF_SUPPORTED_ARCHITECTURES`) by dequantizing
+it to fp32; we do that once per file and save the result as a plain folder (safetensors,
+config, tokenizer with its chat template), so later loads take seconds and need no GGUF
+code. The hf backend runs that folder; the llamacpp backend runs the GGUF itself and
+borrows the folder's tokenizer, embedding and head.
+
+Before anything is loaded the file's header is read: a file that is not GGUF, is cut short
+(a tensor's data past the end) or holds an architecture transformers cannot load is refused
+with a `bad_target` naming the file and the architecture. The folder is written whole or
+not at all (a temporary folder renamed into place), and it records the GGUF's size and
+modification time, so a file replaced under the same name is converted again.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash.errors import DFlashError
+
+MAGIC = b"GGUF"
+# Architectures transformers reads from GGUF but not as a causal language model.
+NOT_CAUSAL = {"general", "tokenizer", "t5", "umt5"}
+
+# What a folder made in the cache records of its source (one name for every kind of folder
+# there: converted targets, materialised assistants).
+MARKER = "pg_dflash.json"
+
+
+def say(msg: str) -> None:
+    print(f"[dflash] {msg}", file=sys.stderr, flush=True)
+
+
+def is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def loadable_architectures() -> set[str]:
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return set(GGUF_SUPPORTED_ARCHITECTURES) - NOT_CAUSAL
+
+
+@dataclass(frozen=True)
+class TargetHeader:
+    """What a target GGUF's header says (read without loading a tensor)."""
+
+    architecture: str
+    layers: int | None
+    hidden_size: int | None
+    vocab_size: int | None
+    name: str | None
+
+
+def read_header(path: Path) -> TargetHeader:
+    """The header, once the file is known whole: every tensor's data lies inside the file."""
+    import gguf
+
+    from dflash.convert.gguf_file import field_value, open_gguf
+
+    path = Path(path)
+    if not is_gguf(path):
+        if not path.is_file():
+            raise DFlashError("bad_target", f"GGUF file not found: {path}")
+        raise DFlashError("bad_target", f"{path} is not a GGUF file (it does not start with 'GGUF')")
+    try:
+        reader = open_gguf(path, code="bad_target")
+    except DFlashError as exc:
+        arch = _architecture_only(path)
+        raise DFlashError("bad_target", exc.message + (f" (architecture '{arch}')" if arch else "")) from None
+    arch = field_value(reader, gguf.Keys.General.ARCHITECTURE)
+    if not arch:
+        raise DFlashError("bad_target", f"{path} names no architecture (general.architecture)")
+    short = next((t for t in reader.tensors if t.data.nbytes != t.n_bytes), None)
+    if short is not None:
+        raise DFlashError("bad_target", f"{path} is truncated: tensor {short.name} has {short.data.nbytes:,} of "
+                          f"{short.n_bytes:,} bytes (architecture '{arch}')")
+    tokens = field_value(reader, gguf.Keys.Tokenizer.LIST)
+    return TargetHeader(str(arch), field_value(reader, f"{arch}.block_count"),
+                        field_value(reader, f"{arch}.embedding_length"), len(tokens) if tokens is not None else None,
+                        field_value(reader, gguf.Keys.General.NAME))
+
+
+def _architecture_only(path: Path) -> str | None:
+    """The architecture a file that gguf cannot read whole says it holds, from its keys alone
+    (the tensors are not looked at), for the error message; None where even that fails."""
+    import gguf
+
+    class KeysOnly(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            self.tensors = []
+
+    try:
+        arch = KeysOnly(path).fields.get(gguf.Keys.General.ARCHITECTURE)
+        return str(arch.contents()) if arch is not None else None
+    except Exception:  # a file that is broken already in its keys  # noqa: BLE001
+        return None
+
+
+def _stamp(path: Path) -> dict:
+    st = path.stat()
+    return {"gguf": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def is_current(folder: Path, gguf: Path) -> bool:
+    """Whether `folder` is a finished conversion of the file `gguf` is now (a marker without the
+    file's stamp, as the first releases wrote for the embedded default, counts as current)."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    if "size" not in marker:
+        return True
+    st = gguf.stat()
+    return (marker["size"], marker["mtime_ns"]) == (st.st_size, st.st_mtime_ns)
+
+
+def convert_target(gguf: Path, out: Path, source: str, quiet: bool = False, weights: bool = True) -> Path:
+    """`gguf` as a Hugging Face folder at `out` (once; returns `out`). `weights=False`: the
+    tokenizer and config only (what a remote backend needs of the served model; seconds,
+    not minutes, and megabytes, not gigabytes)."""
+    gguf = Path(gguf)
+    if (out / MARKER).is_file() and is_current(out, gguf):
+        return out
+    header = read_header(gguf)
+    known = loadable_architectures()
+    if header.architecture not in known:
+        raise DFlashError("bad_target", f"{gguf}: architecture '{header.architecture}' cannot be run as a target "
+                          f"(transformers reads GGUF targets of: {', '.join(sorted(known))})")
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    size = gguf.stat().st_size
+    if not quiet:
+        say(f"converting {gguf.name} ({header.architecture}, {size / 2**20:,.0f} MiB) to a Hugging Face folder in "
+            f"{out}{'' if weights else ' (its tokenizer and config)'} (once)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stages = tqdm(total=3, desc="preparing target", unit="stage", disable=quiet, file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    try:
+        try:
+            stages.set_postfix_str("tokenizer")
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            stages.update()
+            stages.set_postfix_str("dequantize weights" if weights else "config")
+            model = (AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+                     if weights else None)
+            config = model.config if weights else AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except MemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (whatever transformers finds wrong with the file, it is the file's)
+            raise DFlashError("bad_target", f"{gguf} (architecture '{header.architecture}'): transformers cannot "
+                              f"load it: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        # The weights are plain fp32 now; drop the GGUF marker so save_pretrained writes safetensors.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        stages.update()
+        stages.set_postfix_str("save")
+        if weights:
+            model.hf_quantizer = None
+            model.is_quantized = False
+            model.save_pretrained(tmp)
+            del model
+        else:
+            config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / MARKER).write_text(json.dumps({"source": source, "architecture": header.architecture,
+                                              "weights": weights, **_stamp(gguf)}) + "\n")
+        stages.update()
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        stages.close()
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
