@@ -1,6 +1,7 @@
 """The extension against a real PostgreSQL: functions, tables, recall, errors, cancellation,
 privileges. The worker here runs the tiny engine (with SmolLM2's tokenizer) in-process."""
 
+import json
 import threading
 import time
 
@@ -95,11 +96,29 @@ def test_worker_status(db):
     assert s["protocol"] == 1 and s["target"] == "tiny" and s["ready"]
 
 
-def test_acceptance_view(db):
-    db.execute("SELECT dflash_generate('count', max_new_tokens => 4)")
-    row = db.execute("SELECT generations, mean_tau, p50_ms, p95_ms, tokens_per_s FROM dflash.acceptance_daily"
-                     " WHERE target = 'tiny' AND block_size IS NULL").fetchone()  # NULL: block length auto
-    assert row[0] >= 1 and row[1] >= 1 and row[2] > 0 and row[3] >= row[2]
+def test_acceptance_view_pools_tau_as_the_engine_does(db):
+    """Known rows, exact values: τ pooled over the day's steps (stats.pooled_tau), which a mean
+    of each row's τ is not: 1 step keeping 4 drafts (τ 5) and 11 steps keeping 4 (τ 15/11,
+    whose τ × steps is 14.999999999999998 in floating point) pool to 20/12; their mean is 3.18.
+    A row without steps (an endpoint that reported no counts) weighs nothing in τ."""
+    from dflash.engine.stats import pooled_tau
+
+    rows = [  # (steps, accepted drafts, new tokens, acceptance rate, decode s, total ms)
+        (1, 4, 5, 1.0, 0.1, 100.0),
+        (11, 4, 15, 4 / 30, 0.3, 300.0),
+        (None, None, 2, None, 0.1, 200.0),
+    ]
+    with db.transaction(force_rollback=True):  # the test's rows go; other tests' stay apart (their target)
+        for steps, accepted, new, rate, decode_s, total_ms in rows:
+            result = {"text": "x", "target": "view-test", "drafter": "d", "block_size": 4, "block_policy": "fixed",
+                      "num_steps": steps, "new_tokens": new, "tau": pooled_tau(accepted, steps) if steps else None,
+                      "acceptance_rate": rate, "decode_s": decode_s}
+            db.execute("SELECT dflash.record_generation('sync', 'p', '{}', %s, 0, %s)", (json.dumps(result), total_ms))
+        got = db.execute("SELECT generations, new_tokens, mean_tau, mean_acceptance_rate, p50_ms, p95_ms,"
+                         " tokens_per_s, block_size FROM dflash.acceptance_daily WHERE target = 'view-test'").fetchall()
+    assert got == [(3, 22, pooled_tau(8, 12), pytest.approx((1.0 + 4 / 30) / 2), 200.0, 290.0,
+                    pytest.approx(22 / 0.5), 4)]
+    assert pooled_tau(8, 12) != pytest.approx((pooled_tau(4, 1) + pooled_tau(4, 11)) / 2)  # the case tells them apart
 
 
 # --- bad input: a clean SQL error, nothing written ---------------------------------------------
