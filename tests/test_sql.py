@@ -11,6 +11,7 @@ from psycopg import errors
 
 from dflash.engine.engine import GenerationRequest
 from tests.conftest import wait_until
+from tests.sqlenv import setting
 
 
 @pytest.fixture
@@ -208,17 +209,13 @@ def test_pg_cancel_backend_stops_the_call(pg_dsn, slow_worker):
 
 
 def test_worker_down_is_a_clean_error_with_a_hint(pg_dsn, sql_worker, pg_server):
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute("SELECT dflash.set_config('socket_path', %s)", (pg_server.server_path(pg_server.socket_dir) + "/none.sock",))
-        try:
-            with pytest.raises(psycopg.Error) as err:
-                conn.execute("SELECT dflash_generate('hi')")
-            assert err.value.sqlstate == "DF001"
-            assert "dflash serve" in err.value.diag.message_hint
-            assert conn.execute("SELECT 1").fetchone() == (1,)
-        finally:
-            conn.execute("SELECT dflash.set_config('socket_path', %s)",
-                         (pg_server.server_path(sql_worker.socket_path),))
+    with psycopg.connect(pg_dsn, autocommit=True) as conn, \
+            setting(conn, "socket_path", pg_server.server_path(pg_server.socket_dir / "none.sock")):
+        with pytest.raises(psycopg.Error) as err:
+            conn.execute("SELECT dflash_generate('hi')")
+        assert err.value.sqlstate == "DF001"
+        assert "dflash serve" in err.value.diag.message_hint
+        assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
 def test_worker_dying_mid_call(pg_dsn, sql_worker, pg_server):
@@ -240,17 +237,60 @@ def test_worker_dying_mid_call(pg_dsn, sql_worker, pg_server):
 
     th = threading.Thread(target=die)
     th.start()
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute("SELECT dflash.set_config('socket_path', %s)", (pg_server.server_path(path),))
-        try:
-            with pytest.raises(psycopg.Error) as err:
-                conn.execute("SELECT dflash_generate('hi')")
-            assert err.value.sqlstate == "DF001"
-        finally:
-            conn.execute("SELECT dflash.set_config('socket_path', %s)",
-                         (pg_server.server_path(sql_worker.socket_path),))
+    with psycopg.connect(pg_dsn, autocommit=True) as conn, setting(conn, "socket_path", pg_server.server_path(path)):
+        with pytest.raises(psycopg.Error) as err:
+            conn.execute("SELECT dflash_generate('hi')")
+        assert err.value.sqlstate == "DF001"
     th.join()
     srv.close()
+
+
+def test_remember_without_an_embedder_is_a_clean_error_naming_the_setting(pg_dsn, sql_worker, pg_server,
+                                                                          tiny_text_engine):
+    """A worker started with --no-embedder while the extension remembers generations: 55000
+    naming the 'remember' setting (once DF000), refused before decoding, nothing written;
+    with remembering off the same worker generates."""
+    from dflash.serve.server import Worker
+
+    path = pg_server.socket_dir / "no-embedder.sock"
+    worker = Worker(tiny_text_engine, None, socket_path=str(path), socket_group=pg_server.socket_group)
+    worker.start()
+    try:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn, \
+                setting(conn, "socket_path", pg_server.server_path(path)):
+            rows, memories = count(conn, "dflash.generations"), count(conn, "dflash.memory")
+            for query in ("SELECT dflash_generate('hi', max_new_tokens => 4)",
+                          "SELECT dflash_generate(ARRAY['a', 'b'], max_new_tokens => 4)"):
+                with pytest.raises(errors.ObjectNotInPrerequisiteState) as err:
+                    conn.execute(query)
+                assert "--no-embedder" in err.value.diag.message_primary and "'remember'" in err.value.diag.message_primary
+                assert "dflash.set_config('remember', 'off')" in err.value.diag.message_hint
+                assert err.value.diag.message_detail == "worker error code: no_embedder"
+            assert count(conn, "dflash.generations") == rows and worker.tokens == 0  # nothing decoded nor written
+            with setting(conn, "remember", "off"):
+                assert conn.execute("SELECT dflash_generate('hi', max_new_tokens => 4)").fetchone()[0]
+            assert (count(conn, "dflash.generations"), count(conn, "dflash.memory")) == (rows + 1, memories)
+    finally:
+        worker.shutdown(timeout=10)
+
+
+@pytest.mark.parametrize("query", ["SELECT dflash_generate('hi', max_new_tokens => 4)",
+                                   "SELECT dflash_generate_stats('hi', max_new_tokens => 4)",
+                                   "SELECT dflash_generate(ARRAY['a', 'b'], max_new_tokens => 4)"])
+@pytest.mark.parametrize("read_only", ["BEGIN READ ONLY", "SET default_transaction_read_only = on"])
+def test_a_read_only_transaction_is_refused_before_the_worker_generates(pg_dsn, sql_worker, query, read_only):
+    """A generation is recorded in the caller's transaction: in a read-only one (as on a
+    standby, where transaction_read_only is on in every transaction, as it is here under
+    default_transaction_read_only) it is refused with 25006 before the worker decodes a token."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        rows, tokens = count(conn, "dflash.generations"), sql_worker.tokens
+        conn.execute(read_only)
+        with pytest.raises(errors.ReadOnlySqlTransaction) as err:
+            conn.execute(query)
+        assert "read-only transaction" in err.value.diag.message_primary and "primary" in err.value.diag.message_hint
+        conn.execute("ROLLBACK" if read_only.startswith("BEGIN") else "RESET default_transaction_read_only")
+        assert sql_worker.tokens == tokens and count(conn, "dflash.generations") == rows
+        assert conn.execute(query).fetchone()[0]  # read-write again: generated
 
 
 
