@@ -95,6 +95,18 @@ def record(plpy, mode, params, result, total_ms, source_table=None):
                                total_ms, source_table])[0]["id"]
 
 
+_READ_ONLY = "SELECT pg_catalog.current_setting('transaction_read_only')::boolean AS ro"
+
+
+def check_writable(plpy, fn):
+    """A generation is recorded in the caller's transaction: in a read-only one (every
+    transaction on a standby is one) refuse it before the worker generates an answer that
+    could not be written down."""
+    if plpy.execute(_plan(plpy, "read_only", _READ_ONLY, []))[0]["ro"]:
+        fail(plpy, f"{fn}: cannot record a generation in a read-only transaction", "25006",
+             hint="call it in a read-write transaction on the primary (a standby's transactions are all read-only)")
+
+
 # --- what the SQL functions call -------------------------------------------------------------
 
 
@@ -130,6 +142,7 @@ def generate(plpy, fn, prompt, args, mode="sync", source_table=None):
     import time
 
     params = generation_params(plpy, fn, prompt, args)
+    check_writable(plpy, fn)
     cfg = settings(plpy)
     t = time.monotonic()
     # The worker embeds the answer for dflash.memory in the same call (`remember`), and
@@ -157,6 +170,7 @@ def generate_many(plpy, prompts, args):
         return []
     params = generation_params(plpy, "dflash_generate", prompts[0], args)
     del params["prompt"]
+    check_writable(plpy, "dflash_generate")
     cfg = settings(plpy)
     t = time.monotonic()
     request = dict(params, prompts=list(prompts), remember=cfg.get("remember", "on") == "on")

@@ -97,20 +97,3 @@ CREATE TABLE dflash.queue_failed (
     created_at   timestamptz NOT NULL,
     failed_at    timestamptz NOT NULL DEFAULT now()
 );
-
--- Acceptance and latency by model, block size and day, over the rows the reader may see.
-CREATE VIEW dflash.acceptance_daily WITH (security_invoker = true) AS
-SELECT date_trunc('day', created_at)::date AS day,
-       target,
-       drafter,
-       block_size,
-       count(*)                                   AS generations,
-       sum(new_tokens)                            AS new_tokens,
-       avg(tau)                                   AS mean_tau,
-       avg(acceptance_rate)                       AS mean_acceptance_rate,
-       percentile_cont(0.5)  WITHIN GROUP (ORDER BY total_ms) AS p50_ms,
-       percentile_cont(0.95) WITHIN GROUP (ORDER BY total_ms) AS p95_ms,
-       sum(new_tokens) / nullif(sum(decode_ms) / 1000.0, 0)   AS tokens_per_s
-FROM dflash.generations
-WHERE status = 'ok'
-GROUP BY 1, 2, 3, 4;

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,38 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ["DFLASH_COST_DIR"] = tempfile.mkdtemp(prefix="dflash-test-costs-")
 
 
+def unavailable(component: str, why: str, required_in_ci: bool = True):
+    """A component the test needs is missing here. Under CI (CI=true), which must test every
+    component, the test fails; elsewhere it skips, and the run's summary (below) names the
+    component and why, so that a skip never reads as a pass."""
+    msg = f"{component} not tested: {why}"
+    if required_in_ci and os.environ.get("CI"):
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The run's last word on what it did not test: the skipped tests grouped by reason (a
+    component missing here, with how to get it) and the tests left out by -m or -k (`make
+    test` leaves the slow ones to `make test-all`)."""
+    reasons = Counter()
+    for rep in terminalreporter.stats.get("skipped", []):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    deselected = len(terminalreporter.stats.get("deselected", []))
+    if not reasons and not deselected:
+        return
+    terminalreporter.section("not tested here")
+    for reason, n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
+        terminalreporter.write_line(f"{n:4d} skipped: {reason}")
+    if deselected:
+        how = " and ".join(f"{flag} {value!r}" for flag, value in (("-m", config.option.markexpr),
+                                                                   ("-k", config.option.keyword)) if value)
+        slow_only = config.option.markexpr == "not slow" and not config.option.keyword  # `make test`
+        terminalreporter.write_line(f"{deselected:4d} deselected by {how or 'the selection'}"
+                                    + (" (the slow tests: `make test-all` runs them)" if slow_only else ""))
+
+
 def shared_dir() -> Path:
     return Path(os.environ.get("DFLASH_SHARED") or REPO.parent / "shared")
 
@@ -26,9 +59,7 @@ def shared_dir() -> Path:
 def shared() -> Path:
     path = shared_dir()
     if not (path / "fixtures").is_dir():
-        if os.environ.get("CI"):
-            pytest.fail(f"reference fixtures not found at {path} (set DFLASH_SHARED)")
-        pytest.skip(f"reference fixtures not found at {path} (set DFLASH_SHARED)")
+        unavailable("the reference fixtures", f"not found at {path} (set DFLASH_SHARED)")
     return path
 
 
@@ -223,10 +254,7 @@ def pg_server(pg_backend):
         share = Path(subprocess.check_output(["pg_config", "--sharedir"], text=True).strip()) / "extension"
         missing = [f for f in ("dflash.control", "vector.control", "plpython3u.control") if not (share / f).exists()]
         if missing:
-            msg = f"PostgreSQL pieces not installed ({', '.join(missing)}): run `make install-extension`"
-            if os.environ.get("CI"):
-                pytest.fail(msg)
-            pytest.skip(msg)
+            unavailable("PostgreSQL", f"pieces not installed ({', '.join(missing)}): run `make install-extension`")
     server = start_server(REPO, pg_backend)
     yield server
     server.stop()

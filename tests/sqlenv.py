@@ -1,10 +1,12 @@
-"""Roles, connections and a queue drain shared by the SQL security and fault tests.
+"""Roles, connections, a setting changed for a while and a queue drain shared by the SQL tests.
 
 Members `sec_alice` and `sec_bob` (each with a schema of their own), `sec_eve` who may log
 in but is no member, `sec_admin` (dflash_admin) and the worker's role dflash_worker.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import psycopg
 import pytest
@@ -18,6 +20,17 @@ def connect(dsn: str, role: str | None = None) -> psycopg.Connection:
 
 def scalar(conn, query, *args):
     return conn.execute(query, args).fetchone()[0]
+
+
+@contextmanager
+def setting(conn, key: str, value: str):
+    """dflash.config's `key` set to `value` for the block (as the superuser `conn` is), then back."""
+    before = scalar(conn, "SELECT value FROM dflash.config WHERE key = %s", key)
+    conn.execute("SELECT dflash.set_config(%s, %s)", (key, value))
+    try:
+        yield
+    finally:
+        conn.execute("SELECT dflash.set_config(%s, %s)", (key, before))
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ Runs on the containers back end (a Docker engine and the built images).
 Then docker/compose.llamacpp.yaml, the worker in remote mode against a llama-server
 container (`make images-llamacpp`: this machine's llama.cpp build and the default models):
 the SQL answer equals the server's own for the same prompt ids, the row carries its
-speculative counts, and an insert is filled through it. It skips, saying so, where that
-image is not built (CI does not build llama.cpp: 15-30 minutes on 2 cores)."""
+speculative counts, and an insert is filled through it. Where that image is not built it
+skips, saying so (`make images-llamacpp`); CI builds it, and fails without it."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import pytest
 
 from dflash import __version__
 from dflash.localpg import BACKEND_ENV, free_port
-from tests.conftest import REPO
+from tests.conftest import REPO, unavailable
 
 COMPOSE_FILE = REPO / "docker" / "compose.yaml"
 LLAMACPP_COMPOSE_FILE = REPO / "docker" / "compose.llamacpp.yaml"
@@ -70,10 +70,9 @@ class Stack:
 
 def needs_containers(pg_backend) -> None:
     if pg_backend != "containers" or compose_command() is None:
-        msg = "the compose smoke test needs the containers back end (a Docker engine, `make images`, docker-compose)"
-        if os.environ.get("CI") and os.environ.get(BACKEND_ENV) != "local":
-            pytest.fail(msg)
-        pytest.skip(msg)
+        # CI's local stage runs without it on purpose (its containers stage runs it).
+        unavailable("the Compose stack", "it needs the containers back end (a Docker engine, `make images`, "
+                    "docker-compose)", required_in_ci=os.environ.get(BACKEND_ENV) != "local")
 
 
 def up(stack: Stack, services: tuple[str, ...]) -> None:
@@ -141,8 +140,8 @@ def test_containers_run_unprivileged_with_a_group_socket_and_labels(stack):
 def llama_stack(pg_backend):
     needs_containers(pg_backend)
     if subprocess.run(["docker", "image", "inspect", LLAMACPP_IMAGE], capture_output=True).returncode != 0:
-        pytest.skip(f"no {LLAMACPP_IMAGE} image: `make images-llamacpp` builds it (llama.cpp from the "
-                    "llama-cpp-python sdist first: 15-30 minutes on 2 cores; not part of `make images` or CI)")
+        unavailable("the llama-server Compose stack", f"no {LLAMACPP_IMAGE} image: `make images-llamacpp` builds it "
+                    "(llama.cpp from the llama-cpp-python sdist first: 15-30 minutes on 2 cores, once; CI builds it)")
     port = free_port()
     stack = Stack(f"dflash-llama-{uuid.uuid4().hex[:8]}", LLAMACPP_COMPOSE_FILE, DFLASH_LLAMACPP_PORT=str(port))
     stack.url = f"http://127.0.0.1:{port}"

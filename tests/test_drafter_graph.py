@@ -2,6 +2,8 @@
 what the PyTorch drafter computes; int8 weights stay close; drafting with it keeps the
 target's output, and the engine measures it beside the other precisions."""
 
+import time
+
 import pytest
 import torch
 
@@ -57,13 +59,40 @@ def test_drafting_with_the_graph_keeps_the_output(tiny_engine):
             assert got.output_ids == plain.output_ids
 
 
-def test_auto_measures_every_drafter_runtime(tiny_engine):
+def kind(dtype, runtime):
+    """A draft_candidates entry as the DFlashProposer drafting it says: (int8, dtype, runtime)."""
+    return dtype == torch.qint8, torch.float32 if dtype == torch.qint8 else dtype, runtime
+
+
+def slow_drafts_but(monkeypatch, fast) -> list:
+    """Every drafter precision and runtime drafts 60 ms slower than it does, except `fast` (an
+    entry of draft_candidates): the one a measurement must choose, whatever this machine's
+    own speeds. Returns the list of what drafted, in order (as `kind`)."""
+    from dflash.engine.proposers.dflash import DFlashProposer
+
+    drafted, draft_logits = [], DFlashProposer.draft_logits
+
+    def slowed(self, jobs):
+        drafted.append((self.int8, self.dtype, self.runtime))
+        if drafted[-1] != kind(*fast):
+            time.sleep(0.06)
+        return draft_logits(self, jobs)
+
+    monkeypatch.setattr(DFlashProposer, "draft_logits", slowed)
+    return drafted
+
+
+def test_auto_measures_every_drafter_runtime_and_takes_the_fastest(tiny_engine, monkeypatch):
     from dflash.engine.engine import Engine, draft_candidates
 
+    candidates = draft_candidates(tiny_engine.target)
+    assert (torch.qint8, "onnx") in candidates and len(candidates) >= 3
+    fast = candidates[1]  # neither the first nor (below) the last: no default passes both
+    drafted = slow_drafts_but(monkeypatch, fast)
     engine = Engine(tiny_engine.target, tiny_engine.drafter, "tiny-auto", draft_dtype="auto",
                     cost_curve=tiny_engine.cost_curve)
-    assert (engine.draft_dtype, engine.draft_runtime) in draft_candidates(tiny_engine.target)
-    assert (torch.qint8, "onnx") in draft_candidates(tiny_engine.target)
+    assert (engine.draft_dtype, engine.draft_runtime) == fast
+    assert set(drafted) == {kind(*c) for c in candidates}  # every one measured
 
 
 def test_the_onnx_head_computes_the_draft_heads_logits():
@@ -96,22 +125,11 @@ def test_the_drafter_runtime_is_timed_with_the_verify_that_follows(tiny_engine, 
         calls.append(sum(len(r.ids) for r in rows))
         return forward(rows, layers)
 
-    from dflash.engine.proposers.dflash import DFlashProposer
-
-    drafted = []
-    draft_logits = DFlashProposer.draft_logits
-
-    def spy_draft(self, jobs):
-        drafted.append((self.int8, self.dtype, self.runtime))
-        return draft_logits(self, jobs)
-
-    monkeypatch.setattr(target, "forward_batch", spy)
-    monkeypatch.setattr(DFlashProposer, "draft_logits", spy_draft)
-    choice = fastest_draft(target, tiny_engine.drafter, None, repeats=3)
     candidates = draft_candidates(target)
-    assert choice in candidates
+    monkeypatch.setattr(target, "forward_batch", spy)
+    drafted = slow_drafts_but(monkeypatch, candidates[-1])
+    assert fastest_draft(target, tiny_engine.drafter, None, repeats=3) == candidates[-1]
     assert calls.count(4) == 3 * len(candidates)  # a verify of 4 after every timed draft
     # Round by round, every candidate once in turn: a slow moment of the machine costs each
     # candidate one sample, never one candidate all of its samples.
-    kinds = [(d == torch.qint8, torch.float32 if d == torch.qint8 else d, r) for d, r in candidates]
-    assert drafted == kinds * 3
+    assert drafted == [kind(*c) for c in candidates] * 3

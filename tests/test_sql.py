@@ -1,6 +1,7 @@
 """The extension against a real PostgreSQL: functions, tables, recall, errors, cancellation,
 privileges. The worker here runs the tiny engine (with SmolLM2's tokenizer) in-process."""
 
+import json
 import threading
 import time
 
@@ -10,6 +11,7 @@ from psycopg import errors
 
 from dflash.engine.engine import GenerationRequest
 from tests.conftest import wait_until
+from tests.sqlenv import setting
 
 
 @pytest.fixture
@@ -95,11 +97,29 @@ def test_worker_status(db):
     assert s["protocol"] == 1 and s["target"] == "tiny" and s["ready"]
 
 
-def test_acceptance_view(db):
-    db.execute("SELECT dflash_generate('count', max_new_tokens => 4)")
-    row = db.execute("SELECT generations, mean_tau, p50_ms, p95_ms, tokens_per_s FROM dflash.acceptance_daily"
-                     " WHERE target = 'tiny' AND block_size IS NULL").fetchone()  # NULL: block length auto
-    assert row[0] >= 1 and row[1] >= 1 and row[2] > 0 and row[3] >= row[2]
+def test_acceptance_view_pools_tau_as_the_engine_does(db):
+    """Known rows, exact values: τ pooled over the day's steps (stats.pooled_tau), which a mean
+    of each row's τ is not: 1 step keeping 4 drafts (τ 5) and 11 steps keeping 4 (τ 15/11,
+    whose τ × steps is 14.999999999999998 in floating point) pool to 20/12; their mean is 3.18.
+    A row without steps (an endpoint that reported no counts) weighs nothing in τ."""
+    from dflash.engine.stats import pooled_tau
+
+    rows = [  # (steps, accepted drafts, new tokens, acceptance rate, decode s, total ms)
+        (1, 4, 5, 1.0, 0.1, 100.0),
+        (11, 4, 15, 4 / 30, 0.3, 300.0),
+        (None, None, 2, None, 0.1, 200.0),
+    ]
+    with db.transaction(force_rollback=True):  # the test's rows go; other tests' stay apart (their target)
+        for steps, accepted, new, rate, decode_s, total_ms in rows:
+            result = {"text": "x", "target": "view-test", "drafter": "d", "block_size": 4, "block_policy": "fixed",
+                      "num_steps": steps, "new_tokens": new, "tau": pooled_tau(accepted, steps) if steps else None,
+                      "acceptance_rate": rate, "decode_s": decode_s}
+            db.execute("SELECT dflash.record_generation('sync', 'p', '{}', %s, 0, %s)", (json.dumps(result), total_ms))
+        got = db.execute("SELECT generations, new_tokens, mean_tau, mean_acceptance_rate, p50_ms, p95_ms,"
+                         " tokens_per_s, block_size FROM dflash.acceptance_daily WHERE target = 'view-test'").fetchall()
+    assert got == [(3, 22, pooled_tau(8, 12), pytest.approx((1.0 + 4 / 30) / 2), 200.0, 290.0,
+                    pytest.approx(22 / 0.5), 4)]
+    assert pooled_tau(8, 12) != pytest.approx((pooled_tau(4, 1) + pooled_tau(4, 11)) / 2)  # the case tells them apart
 
 
 # --- bad input: a clean SQL error, nothing written ---------------------------------------------
@@ -189,17 +209,13 @@ def test_pg_cancel_backend_stops_the_call(pg_dsn, slow_worker):
 
 
 def test_worker_down_is_a_clean_error_with_a_hint(pg_dsn, sql_worker, pg_server):
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute("SELECT dflash.set_config('socket_path', %s)", (pg_server.server_path(pg_server.socket_dir) + "/none.sock",))
-        try:
-            with pytest.raises(psycopg.Error) as err:
-                conn.execute("SELECT dflash_generate('hi')")
-            assert err.value.sqlstate == "DF001"
-            assert "dflash serve" in err.value.diag.message_hint
-            assert conn.execute("SELECT 1").fetchone() == (1,)
-        finally:
-            conn.execute("SELECT dflash.set_config('socket_path', %s)",
-                         (pg_server.server_path(sql_worker.socket_path),))
+    with psycopg.connect(pg_dsn, autocommit=True) as conn, \
+            setting(conn, "socket_path", pg_server.server_path(pg_server.socket_dir / "none.sock")):
+        with pytest.raises(psycopg.Error) as err:
+            conn.execute("SELECT dflash_generate('hi')")
+        assert err.value.sqlstate == "DF001"
+        assert "dflash serve" in err.value.diag.message_hint
+        assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
 def test_worker_dying_mid_call(pg_dsn, sql_worker, pg_server):
@@ -221,17 +237,60 @@ def test_worker_dying_mid_call(pg_dsn, sql_worker, pg_server):
 
     th = threading.Thread(target=die)
     th.start()
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute("SELECT dflash.set_config('socket_path', %s)", (pg_server.server_path(path),))
-        try:
-            with pytest.raises(psycopg.Error) as err:
-                conn.execute("SELECT dflash_generate('hi')")
-            assert err.value.sqlstate == "DF001"
-        finally:
-            conn.execute("SELECT dflash.set_config('socket_path', %s)",
-                         (pg_server.server_path(sql_worker.socket_path),))
+    with psycopg.connect(pg_dsn, autocommit=True) as conn, setting(conn, "socket_path", pg_server.server_path(path)):
+        with pytest.raises(psycopg.Error) as err:
+            conn.execute("SELECT dflash_generate('hi')")
+        assert err.value.sqlstate == "DF001"
     th.join()
     srv.close()
+
+
+def test_remember_without_an_embedder_is_a_clean_error_naming_the_setting(pg_dsn, sql_worker, pg_server,
+                                                                          tiny_text_engine):
+    """A worker started with --no-embedder while the extension remembers generations: 55000
+    naming the 'remember' setting (once DF000), refused before decoding, nothing written;
+    with remembering off the same worker generates."""
+    from dflash.serve.server import Worker
+
+    path = pg_server.socket_dir / "no-embedder.sock"
+    worker = Worker(tiny_text_engine, None, socket_path=str(path), socket_group=pg_server.socket_group)
+    worker.start()
+    try:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn, \
+                setting(conn, "socket_path", pg_server.server_path(path)):
+            rows, memories = count(conn, "dflash.generations"), count(conn, "dflash.memory")
+            for query in ("SELECT dflash_generate('hi', max_new_tokens => 4)",
+                          "SELECT dflash_generate(ARRAY['a', 'b'], max_new_tokens => 4)"):
+                with pytest.raises(errors.ObjectNotInPrerequisiteState) as err:
+                    conn.execute(query)
+                assert "--no-embedder" in err.value.diag.message_primary and "'remember'" in err.value.diag.message_primary
+                assert "dflash.set_config('remember', 'off')" in err.value.diag.message_hint
+                assert err.value.diag.message_detail == "worker error code: no_embedder"
+            assert count(conn, "dflash.generations") == rows and worker.tokens == 0  # nothing decoded nor written
+            with setting(conn, "remember", "off"):
+                assert conn.execute("SELECT dflash_generate('hi', max_new_tokens => 4)").fetchone()[0]
+            assert (count(conn, "dflash.generations"), count(conn, "dflash.memory")) == (rows + 1, memories)
+    finally:
+        worker.shutdown(timeout=10)
+
+
+@pytest.mark.parametrize("query", ["SELECT dflash_generate('hi', max_new_tokens => 4)",
+                                   "SELECT dflash_generate_stats('hi', max_new_tokens => 4)",
+                                   "SELECT dflash_generate(ARRAY['a', 'b'], max_new_tokens => 4)"])
+@pytest.mark.parametrize("read_only", ["BEGIN READ ONLY", "SET default_transaction_read_only = on"])
+def test_a_read_only_transaction_is_refused_before_the_worker_generates(pg_dsn, sql_worker, query, read_only):
+    """A generation is recorded in the caller's transaction: in a read-only one (as on a
+    standby, where transaction_read_only is on in every transaction, as it is here under
+    default_transaction_read_only) it is refused with 25006 before the worker decodes a token."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        rows, tokens = count(conn, "dflash.generations"), sql_worker.tokens
+        conn.execute(read_only)
+        with pytest.raises(errors.ReadOnlySqlTransaction) as err:
+            conn.execute(query)
+        assert "read-only transaction" in err.value.diag.message_primary and "primary" in err.value.diag.message_hint
+        conn.execute("ROLLBACK" if read_only.startswith("BEGIN") else "RESET default_transaction_read_only")
+        assert sql_worker.tokens == tokens and count(conn, "dflash.generations") == rows
+        assert conn.execute(query).fetchone()[0]  # read-write again: generated
 
 
 

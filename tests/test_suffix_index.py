@@ -319,7 +319,7 @@ def test_a_10mb_workload_memory_under_a_cap_kept_by_the_caller():
           f"{added} tokens added with evictions in {took:.2f}s, propose {(time.perf_counter() - t0) / 50 * 1e6:.0f} us")
 
 
-# ---- determinism and timing ----------------------------------------------------------------
+# ---- determinism and scale ----------------------------------------------------------------
 
 def test_deterministic_across_builds_and_update_paths():
     rng = random.Random(3)
@@ -334,40 +334,57 @@ def test_deterministic_across_builds_and_update_paths():
         assert a.propose(ctx, 6) == b.propose(ctx, 6) == a.propose(ctx, 6)
 
 
-def test_timing_printed():
-    """Not asserted: a 500k-token memory and a 2k-token own index, like one request's step."""
+def test_a_large_memory_and_a_growing_own_index_propose_real_longest_matches():
+    """A workload's memory of 200k tokens (Zipf text from repeated phrases) and a request's own
+    index grown 4 tokens a step, as the suffix proposer queries them: the memory holds about
+    40 bytes a token (the module docstring's accounting), the own index grown by extends
+    proposes exactly what the same text added whole does, and each proposal continues the
+    longest match of its context over both indexes, checked by brute force over the text."""
     rng = np.random.default_rng(7)
     vocab = rng.zipf(1.3, 200_000) % 49_000
     phrases = [vocab[rng.integers(0, len(vocab), rng.integers(4, 30))] for _ in range(2000)]
-    mem = SuffixIndex()
-    docs = []
-    t0 = time.perf_counter()
-    n = 0
-    while n < 500_000:
-        doc = np.concatenate([phrases[j] for j in rng.integers(0, len(phrases), 30)])
-        mem.add(len(docs), doc)
-        docs.append(doc)
-        n += len(doc)
-    add_s = time.perf_counter() - t0
-    own = SuffixIndex()
+    mem, docs = SuffixIndex(), []
+    while sum(map(len, docs)) < 200_000:
+        docs.append(np.concatenate([phrases[j] for j in rng.integers(0, len(phrases), 30)]))
+        mem.add(len(docs) - 1, docs[-1])
+    assert 36 < mem.size_bytes() / mem.num_tokens < 48
+    own, whole = SuffixIndex(), SuffixIndex()
     own.add("req", docs[5][:300])
-    t0 = time.perf_counter()
-    steps = 0
     for j in range(300, len(docs[5]), 4):
         own.extend("req", docs[5][j:j + 4])
-        steps += 1
-    ext_us = (time.perf_counter() - t0) / steps * 1e6
-    ctxs = [docs[i][k - 32:k].tolist() for i in range(0, len(docs), 13) for k in (40, 200)]
-    ctxs += [rng.integers(0, 49_000, 32).tolist() for _ in range(len(ctxs))]
-    lat = []
-    for c in ctxs:
-        t0 = time.perf_counter()
-        propose_from([own, mem], c, 15)
-        lat.append(time.perf_counter() - t0)
-    lat = np.array(lat) * 1e6
-    print(f"\nindex {n} tokens: add {n / add_s / 1e6:.2f} M tokens/s, {mem.size_bytes() / n:.1f} B/token; "
-          f"extend by 4: {ext_us:.0f} us; propose (2 indexes, 15 tokens) median {np.median(lat):.0f} us, "
-          f"p99 {np.percentile(lat, 99):.0f} us, max {lat.max():.0f} us")
+    whole.add("req", docs[5])
+    # Contexts with a full-length match (copied from the memory) and random common tokens
+    # (short matches with many occurrences).
+    ctxs = [docs[i][k - 32:k].tolist() for i in range(0, len(docs), 40) for k in (40, 200)]
+    ctxs += [rng.choice(vocab, 32).tolist() for _ in range(len(ctxs))]
+    # The text as one array, each document ended by -1: no match crosses one, none follows one.
+    flat = np.concatenate([np.append(d, -1) for d in [*docs, docs[5]]])
+
+    def followers(suffix: list[int]) -> Counter:
+        """How often each token follows an occurrence of `suffix` in a document."""
+        after = np.arange(len(suffix), len(flat))  # positions with len(suffix) tokens before them
+        for j, t in enumerate(reversed(suffix), 1):
+            after = after[flat[after - j] == t]
+        return Counter(int(t) for t in flat[after] if t >= 0)
+
+    for n, ctx in enumerate(ctxs):
+        tokens, conf, match = propose_from([own, mem], ctx, 15)
+        assert (tokens, conf, match) == propose_from([whole, mem], ctx, 15)
+        if n < len(ctxs) // 2:
+            assert match == 32 and tokens  # the context itself is in the memory
+        assert all(0 < c < 1 for c in conf)
+        assert not tokens or tokens[0] in followers(ctx[-match:])
+        # Exact when every occurrence is looked at (by default only the newest 256 of a
+        # common n-gram are, which may miss a longer match): the longest match, and its most
+        # frequent next token (the smallest id of equals).
+        tokens, _, match = propose_from([own, mem], ctx, 15, max_occurrences=len(flat))
+        assert match >= propose_from([own, mem], ctx, 15)[2]
+        if match == 0:
+            assert not tokens and not followers(ctx[-1:])
+            continue
+        assert match == 32 or not followers(ctx[-match - 1:]), ctx  # no longer match has a next token
+        counts = followers(ctx[-match:])
+        assert tokens[0] == min(counts, key=lambda t: (-counts[t], t)), ctx
 
 
 # ---- property: the index agrees with the brute-force definition ----------------------------

@@ -27,6 +27,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from tests.conftest import unavailable
+
 pytestmark = pytest.mark.pg
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,12 +41,6 @@ OLD_PROMPT = "queued before the upgrade"
 def current_version() -> str:
     control = (REPO / "extension" / "dflash.control").read_text()
     return re.search(r"^default_version\s*=\s*'([^']+)'", control, re.M).group(1)
-
-
-def unavailable(msg: str):
-    if os.environ.get("CI"):
-        pytest.fail(msg)
-    pytest.skip(msg)
 
 
 def released_script(version: str) -> Path:
@@ -96,7 +92,7 @@ def install_beside(script: Path, share: Path) -> None:
     if target.exists() and target.read_bytes() == script.read_bytes():
         return
     if not os.access(share, os.W_OK):
-        unavailable(f"cannot write {target} (run the test as the user who ran `make install-extension`)")
+        unavailable("the upgrade", f"cannot write {target} (run the test as the user who ran `make install-extension`)")
     tmp = share / f".{script.name}.{os.getpid()}"
     shutil.copyfile(script, tmp)
     os.chmod(tmp, 0o644)
@@ -116,7 +112,8 @@ def cluster(pg_backend):
     installed = re.search(r"^default_version\s*=\s*'([^']+)'", control.read_text(), re.M) if control.exists() else None
     steps = ("dflash--0.1.0--0.2.0.sql", f"dflash--0.2.0--{new}.sql")
     if not installed or installed.group(1) != new or not all((share / f).exists() for f in steps):
-        unavailable(f"dflash {new} and its upgrades are not installed in {share}: run `make install-extension`")
+        unavailable("the upgrade", f"dflash {new} and its upgrades are not installed in {share}: "
+                    "run `make install-extension`")
     for version in RELEASES:
         install_beside(released_script(version), share)
     server = start_local_cluster()

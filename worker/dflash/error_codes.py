@@ -7,10 +7,10 @@ bridge's SQLSTATEs and hints, the queue consumer's give-up-at-once list and the 
 source tree, the bridge and the docs to it. Stdlib only: PostgreSQL backends import it
 through the bridge.
 
-SQLSTATEs: bad input is 22023; DF000 (other worker errors), DF001 (the worker, or the
-inference endpoint it sends requests to, is down or stopping) and DF002 (its queue is
-full) are dflash's own class. A code the table does not
-know becomes DF000.
+SQLSTATEs: bad input is 22023; a worker started without what the request needs (no_embedder)
+is 55000, object not in prerequisite state; DF000 (other worker errors), DF001 (the worker, or
+the inference endpoint it sends requests to, is down or stopping) and DF002 (its queue is
+full) are dflash's own class. A code the table does not know becomes DF000.
 """
 
 from __future__ import annotations
@@ -78,8 +78,10 @@ ERROR_CODES = (
     ErrorCode("forbidden", "42501", "the connecting user may not use the worker (--allow-uid/--allow-gid); "
               "in `dflash train --from-database`, the role may not read dflash.training_rows",
               "start the worker with --allow-uid/--allow-gid including the PostgreSQL server's user"),
-    _other("no_embedder", "the worker was started without an embedding model (embed, or remember)",
-           "start the worker with an embedding model (without --no-embedder)"),
+    ErrorCode("no_embedder", "55000", "the worker was started without an embedding model (--no-embedder): it "
+              "cannot embed, nor remember a generation (the extension's 'remember' setting, on by default)",
+              "start the worker with an embedding model (without --no-embedder), or stop remembering generations: "
+              "SELECT dflash.set_config('remember', 'off')"),
     _other("bad_frame", "a frame that is not a UTF-8 JSON object, or nests too deeply (the connection stays "
                         "usable)"),
     _other("bad_version", "the request's protocol version is not the worker's"),

@@ -1,7 +1,8 @@
 \echo Use "ALTER EXTENSION dflash UPDATE TO '0.3.0'" to load this file. \quit
 -- dflash 0.2.0 -> 0.3.0: what only an upgrade does, before the install files that can run on
 -- a 0.2.0 schema (extension/Makefile interleaves them by file name: the function files
--- replace every function in place, 03_config.sql makes the settings view, 90_grants.sql
+-- replace every function in place, 03_config.sql makes the settings view,
+-- 11_acceptance_daily.sql replaces 0.2.0's view (tau pooled, not averaged), 90_grants.sql
 -- grants 0.3.0's rights, 96_dump.sql registers the tables with pg_dump) and, at the end,
 -- 95_writers.sql, which gives tables with generation enabled 0.3.0's triggers and writers.
 -- The result is what CREATE EXTENSION dflash makes at 0.3.0 (tests/test_upgrade.py compares

@@ -540,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash.bench.llamacpp",
                                 description="llama.cpp's llama-server, built from the llama-cpp-python sdist")
     sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("build", help="build llama-server and llama-bench for this CPU into the model cache (once: "
+                   "15-30 minutes on 2 cores) and print the folder of the binaries")
     s = sub.add_parser("serve", help="serve the default target (Q4_1) with the shipped drafter as its DFlash draft "
                        "model: an endpoint for `dflash serve --backend openai`")
     s.add_argument("--port", type=int, required=True)
@@ -559,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(docs/cpus.md)")
     args = p.parse_args(argv)
     try:
+        if args.command == "build":
+            print(ensure_built() / "bin")
+            return 0
         if args.command == "image-context":
             image_context(args.out)
             return 0

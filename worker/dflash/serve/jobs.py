@@ -109,7 +109,8 @@ class Answers:
             remember = params.pop("remember", False)
             if not isinstance(remember, bool):
                 raise DFlashError("bad_params", f"parameter 'remember' must be bool, got {type(remember).__name__}")
-            embedder = self.worker.require_embedder() if remember else None  # refuse before decoding
+            # Refused before decoding; the extension asks to remember while its 'remember' setting is on.
+            embedder = self.worker.require_embedder("remember generations ('remember' is on)") if remember else None
             if job.op == "generate_many":
                 prompts = params.pop("prompts", None)
                 if (not isinstance(prompts, list) or not prompts or len(prompts) > MAX_PROMPTS

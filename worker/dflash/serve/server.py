@@ -309,9 +309,11 @@ class Worker:
         """Whether the engine holds a memory of this workload (else a request needs its history)."""
         return self.engine.knows_workload(key)
 
-    def require_embedder(self):
+    def require_embedder(self, what: str = "embed texts"):
+        """The embedding model, or no_embedder saying what needed it (`what`)."""
         if self.embedder is None:
-            raise DFlashError("no_embedder", "this worker was started without an embedding model")
+            raise DFlashError("no_embedder", f"this worker was started without an embedding model (--no-embedder), "
+                                             f"so it cannot {what}")
         return self.embedder
 
     # --- bookkeeping and status ---------------------------------------------------------------

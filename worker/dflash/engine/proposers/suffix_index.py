@@ -65,7 +65,7 @@ Costs (n tokens indexed, levels L, runs R ~ log2(n / tail)):
   whose size `size_bytes` reports (plus an estimate per document of the Python table).
 
 Measured (2-core AMD EPYC VM, shared, best of 5 per query; synthetic Zipf text built from
-repeated phrases; tests/test_suffix_index.py prints a smaller version): adding ~0.5-0.7 us
+repeated phrases): adding ~0.5-0.7 us
 per token; extending by 1 / 4 / 16 tokens ~15 / 25 / 40 us; removing one document 1 ms at 1e5 tokens, 7-11
 ms at 1e6; propose of 15 tokens over a request's own index plus a memory of 1e5 / 1e6
 tokens: median 70 / 70-140 us on a context with a long match, 130-190 us (max ~0.5 ms) on
