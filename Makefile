@@ -123,11 +123,13 @@ images-cuda: $(STAMP)
 
 # llama-server for docker/compose.llamacpp.yaml: llama.cpp's portable build (made first if
 # missing: 15-30 min on 2 cores) with the default target and drafter, in a context of its own.
+# LLAMACPP_BUILD=native: this CPU's build instead (an image for this machine only, as CI's).
 LLAMACPP_IMAGE := dflash-llamacpp
+LLAMACPP_BUILD ?= portable
 images-llamacpp: setup
 	@docker image inspect $(BASE_IMAGE) >/dev/null 2>&1 || docker pull -q $(BASE_IMAGE) >/dev/null 2>&1 || \
 	    { echo "make images-llamacpp: no base image $(BASE_IMAGE) and no registry answers: run make images-base" >&2; exit 1; }
-	$(BIN)/python -m dflash.bench.llamacpp image-context build/llamacpp-image
+	$(BIN)/python -m dflash.bench.llamacpp image-context $(if $(filter native,$(LLAMACPP_BUILD)),--native) build/llamacpp-image
 	$(DOCKER_BUILD) -f docker/llamacpp.Dockerfile -t $(LLAMACPP_IMAGE) build/llamacpp-image
 
 # llama.cpp beside our engine, on the same weights and prompts (not part of `make test`):

@@ -436,20 +436,21 @@ def default_files(speculative: bool = True) -> tuple[Path, Path | None, int]:
     return target, drafter_gguf(folder, target), draft_max
 
 
-def image_context(out: Path) -> Path:
+def image_context(out: Path, portable: bool = True) -> Path:
     """A Docker build context for docker/llamacpp.Dockerfile (`make images-llamacpp`): this
     machine's llama-server build (built first if need be) with its shared libraries, the
     default target's Q4_1 GGUF and the shipped drafter's GGUF, and the draft length. The build
     is the portable one (llamacpp_build.PORTABLE: x86-64-v3, no AVX-512, no AMX), so the image
-    runs on every x86-64 CPU with AVX2, not only on CPUs like this one."""
-    ensure_built(portable=True)
+    runs on every x86-64 CPU with AVX2, not only on CPUs like this one; `portable` False takes
+    this CPU's native build instead (an image that runs only where it was built, as CI's)."""
+    ensure_built(portable=portable)
     target, drafter, draft_max = default_files(True)
     if out.exists():
         shutil.rmtree(out)
     (out / "bin").mkdir(parents=True)
     (out / "models").mkdir()
-    bins = build_dir(portable=True) / "bin"
-    shutil.copy2(binary("llama-server", portable=True), out / "bin" / "llama-server")
+    bins = build_dir(portable) / "bin"
+    shutil.copy2(binary("llama-server", portable), out / "bin" / "llama-server")
     for lib in sorted(bins.glob("*.so*")):  # libllama, libggml*, libmtmd and their soname links
         if lib.is_symlink():
             (out / "bin" / lib.name).symlink_to(os.readlink(lib))
@@ -460,7 +461,8 @@ def image_context(out: Path) -> Path:
     (out / "models" / "draft-n-max").write_text(f"{draft_max}\n")
     (out / "models" / "README").write_text(
         f"target.gguf: {target.name}; drafter.gguf: {drafter.name} (dflash convert --to gguf); "
-        f"llama.cpp from the {SDIST} {VERSION} sdist, built portable (x86-64 with AVX2)\n")
+        f"llama.cpp from the {SDIST} {VERSION} sdist, built "
+        f"{'portable (x86-64 with AVX2)' if portable else 'for the CPU that built the image only'}\n")
     _say(f"image context in {out}")
     return out
 
@@ -540,8 +542,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash.bench.llamacpp",
                                 description="llama.cpp's llama-server, built from the llama-cpp-python sdist")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("build", help="build llama-server and llama-bench for this CPU into the model cache (once: "
-                   "15-30 minutes on 2 cores) and print the folder of the binaries")
     s = sub.add_parser("serve", help="serve the default target (Q4_1) with the shipped drafter as its DFlash draft "
                        "model: an endpoint for `dflash serve --backend openai`")
     s.add_argument("--port", type=int, required=True)
@@ -553,7 +553,11 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("image-context", help="a Docker build context for docker/llamacpp.Dockerfile: this build, "
                        "the default target and drafter (make images-llamacpp)")
     c.add_argument("out", type=Path, help="the folder to write (replaced)")
-    b = sub.add_parser("build", help="build llama-server and llama-bench (once; CI builds them for the remote tests)")
+    c.add_argument("--native", action="store_true", help="this CPU's build instead of the portable one (an image "
+                   "for this machine only: CI's, which then builds llama.cpp once)")
+    b = sub.add_parser("build", help="build llama-server and llama-bench for this CPU into the model cache (once: "
+                       "15-30 minutes on 2 cores; CI builds them for the remote tests) and print the folder of the "
+                       "binaries")
     b.add_argument("--portable", action="store_true", help="the image's portable build instead of this CPU's")
     k = sub.add_parser("compare-builds", help="llama-bench of the native and the portable build on this CPU (JSON)")
     k.add_argument("--threads", type=int, default=2)
@@ -561,14 +565,11 @@ def main(argv: list[str] | None = None) -> int:
                    "(docs/cpus.md)")
     args = p.parse_args(argv)
     try:
-        if args.command == "build":
-            print(ensure_built() / "bin")
-            return 0
         if args.command == "image-context":
-            image_context(args.out)
+            image_context(args.out, portable=not args.native)
             return 0
         if args.command == "build":
-            print(ensure_built(portable=args.portable))
+            print(ensure_built(portable=args.portable) / "bin")
             return 0
         if args.command == "compare-builds":
             result = compare_builds(args.threads)
