@@ -128,12 +128,18 @@ def test_unknown_name_and_missing_target(cache):
 # --- targets given as GGUF files: crafted files ----------------------------------------
 
 
-def _tiny_gguf(path: Path, arch: str = "llama") -> Path:
+def _tiny_gguf(path: Path, arch: str = "llama", tokens: tuple[str, ...] = ("a", "b", "c"), rows: int = 3,
+               file_type=None, merges: tuple[str, ...] = ()) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(path, arch)
+    if file_type is not None:
+        w.add_file_type(file_type)
     w.add_block_count(1)
     w.add_embedding_length(8)
-    w.add_token_list(["a", "b", "c"])
-    w.add_tensor("token_embd.weight", np.ones((3, 8), dtype=np.float32))
+    w.add_token_list(list(tokens))
+    if merges:
+        w.add_token_merges(list(merges))
+    w.add_tensor("token_embd.weight", np.ones((rows, 8), dtype=np.float32))
     w.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -1,21 +1,123 @@
 """The llama.cpp peer's bookkeeping, without llama.cpp (`make peers` runs the real thing):
-method names, the server log lines it counts, and the checks it draws from a bench run."""
+method names, the server log lines it counts, the draft model llama.cpp's own speculation
+takes, the methods a target without a drafter can run, and the checks it draws from a bench
+run. Then `dflash bench --target FILE.gguf` with llama.cpp's plain and speculative decoding
+of that file, on a real llama-server (SmolLM2; slow: Qwen2.5-Coder-1.5B)."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
 from dflash.bench import llamacpp
 from dflash.bench.peers import check_runs
-from dflash.bench.run import Runner
+from dflash.bench.run import Runner, check_drafter, needs_drafter
+from dflash.errors import DFlashError
 
 
 def test_method_names():
     assert llamacpp.parse_method("llamacpp-ar") == ("llamacpp-ar", "f32")
     assert llamacpp.parse_method("llamacpp-dflash-q4_1") == ("llamacpp-dflash", "q4_1")
+    assert llamacpp.parse_method("llamacpp-ar-gguf") == ("llamacpp-ar", "gguf")
+    assert llamacpp.parse_method("llamacpp-spec-gguf") == ("llamacpp-spec", "gguf")
     assert llamacpp.parse_method("llamacpp-dflash-q3") is None
+    assert llamacpp.parse_method("llamacpp-spec-gguf2") is None
     assert llamacpp.parse_method("dflash-16") is None
     assert llamacpp.is_speculative_peer("llamacpp-dflash-f16") and not llamacpp.is_speculative_peer("llamacpp-ar")
+    assert llamacpp.is_speculative_peer("llamacpp-spec-gguf") and not llamacpp.is_speculative_peer("llamacpp-ar-gguf")
+    assert llamacpp.is_dflash_peer("llamacpp-dflash-q4_1") and not llamacpp.is_dflash_peer("llamacpp-spec-gguf")
+    assert llamacpp.plain_of("llamacpp-spec-gguf") == "llamacpp-ar-gguf"
+    assert llamacpp.plain_of("llamacpp-dflash-q4_1") == "llamacpp-ar-q4_1"
+    assert llamacpp.plain_of("llamacpp-dflash") == "llamacpp-ar"
+
+
+def test_which_methods_need_a_drafter():
+    """Without a drafter (a target none is given for) only the methods that draft with one
+    are refused, before any model loads."""
+    need = ["dflash-4", "dflash-16", "llamacpp-dflash", "llamacpp-dflash-q4_1"]
+    free = ["ar", "ar-hf", "ar-reference", "dflash-auto", "suffix", "prompt-lookup", "assisted-ar",
+            "llamacpp-ar-gguf", "llamacpp-spec-gguf", "llamacpp-ar-q4_1"]
+    assert all(map(needs_drafter, need)) and not any(map(needs_drafter, free))
+    check_drafter(free, has_drafter=False)
+    check_drafter(need + free, has_drafter=True)
+    with pytest.raises(SystemExit, match="dflash-16, llamacpp-dflash-q4_1 draft with a DFlash drafter"):
+        check_drafter(["ar", "dflash-16", "llamacpp-dflash-q4_1"], has_drafter=False)
+
+
+def test_bench_refuses_drafter_methods_for_a_target_without_one(tmp_path):
+    """`dflash bench --target DIR` (not the default, no --drafter) with a method that drafts:
+    refused at once, naming it."""
+    from dflash.cli import main
+    from tests.tiny_qwen import make_tiny_qwen2
+
+    target = make_tiny_qwen2(tmp_path / "tiny-qwen2")
+    with pytest.raises(SystemExit, match="dflash-16 draft with a DFlash drafter"):
+        main(["bench", "--target", str(target), "--methods", "ar,dflash-16", "--out", str(tmp_path / "out")])
+
+
+def test_steps_without_a_draft_count_as_steps_that_kept_none():
+    # 10 tokens: the first with the prompt, then steps that kept 3 and 1 drafts: 9 = 4 + 2 + 3 plain steps
+    assert llamacpp.every_step([3, 1], 10) == [3, 1, 0, 0, 0]
+    assert llamacpp.every_step([15], 16) == [15]  # a DFlash block that finished the request
+    assert llamacpp.every_step([15], 10) == [15]  # cut short by the token budget
+    assert llamacpp.every_step([], 1) == []
+
+
+def _gguf(path: Path, tokens: list[str], rows: int, file_type=None) -> Path:
+    from tests.test_model_files import _tiny_gguf
+
+    return _tiny_gguf(path, tokens=tuple(tokens), rows=rows, file_type=file_type, merges=("a b",))
+
+
+def test_llamacpp_spec_drafts_with_a_smaller_model_of_the_same_tokenizer(tmp_path, monkeypatch):
+    """llama.cpp's own speculation takes the smallest installed named model with the target's
+    tokenizer and fewer parameters as its draft model (-md), else its n-gram drafting; the
+    setting says which."""
+    from dflash import model_files
+    from dflash.model_files import NamedModel, PartWheels
+
+    monkeypatch.setenv("PG_DFLASH_CACHE", str(tmp_path / "cache"))
+    parts = PartWheels("x-part{}", "1", 1, "x/{0}.bin")
+    names = {"big": (["a", "b", "c"], 40), "small": (["a", "b", "c"], 8), "tiny-other": (["a", "b", "d"], 4),
+             "smaller-still": (["a", "b", "c"], 6)}
+    monkeypatch.setattr(model_files, "MODELS", {n: NamedModel(n, n, f"{n}.gguf", parts) for n in names})
+    for n, (tokens, rows) in names.items():
+        if n != "smaller-still":
+            _gguf(model_files.model_gguf(n), tokens, rows)
+    big = model_files.model_gguf("big")
+    spec = llamacpp.spec_setting(big, threads=2)
+    assert spec.draft == model_files.model_gguf("small")
+    assert spec.args[:2] == ("-md", str(spec.draft)) and "draft-simple" in spec.args
+    assert "small.gguf" in spec.setting and "--spec-draft-threads" in spec.args
+    _gguf(model_files.model_gguf("smaller-still"), *names["smaller-still"])
+    assert llamacpp.spec_setting(big, threads=2).draft == model_files.model_gguf("smaller-still")
+    # the smallest has no smaller model with its tokenizer: n-gram drafting
+    spec = llamacpp.spec_setting(model_files.model_gguf("tiny-other"), threads=2)
+    assert spec.draft is None and spec.args == llamacpp.NGRAM_ARGS and "n-gram" in spec.setting
+
+
+def test_the_gguf_header_as_the_gguf_library_reads_it(tmp_path):
+    import gguf
+
+    path = _gguf(tmp_path / "m.gguf", ["a", "b", "c"], 5, gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    header = llamacpp.read_gguf_header(path)
+    assert header.parameters == sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors) == 5 * 8 + 8
+    assert header.weights == "Q4_K_M"
+    assert header.tokenizer == llamacpp.read_gguf_header(_gguf(tmp_path / "n.gguf", ["a", "b", "c"], 9)).tokenizer
+    assert header.tokenizer != llamacpp.read_gguf_header(_gguf(tmp_path / "o.gguf", ["a", "b", "x"], 5)).tokenizer
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:60])
+    with pytest.raises(DFlashError) as e:
+        llamacpp.read_gguf_header(cut)
+    assert e.value.code == "bad_target" and str(cut) in e.value.message
+
+
+def test_the_gguf_as_given_needs_a_gguf(tmp_path):
+    with pytest.raises(DFlashError) as e:
+        llamacpp.target_gguf(tmp_path, "gguf", None)
+    assert e.value.code == "bad_method" and str(tmp_path) in e.value.message
+    assert llamacpp.target_gguf(tmp_path, "gguf", tmp_path / "x.gguf") == tmp_path / "x.gguf"
 
 
 def test_server_log_lines_are_counted():
@@ -47,3 +149,83 @@ def test_checks_from_a_run(tmp_path):
     assert c["dflash_vs_ar_mismatches"] == {"llamacpp-dflash": [], "llamacpp-dflash-q4_1": [1]}
     assert c["tau_relative_difference"] == pytest.approx(0.05)
     assert c["tau_within_10_percent"]
+
+
+# --- a real llama-server: llama.cpp's plain and speculative decoding of the GGUF as given -----
+
+
+def _need(*missing: tuple[str, bool]) -> None:
+    why = "; ".join(w for w, ok in missing if not ok)
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+def _bench(tmp_path, target: str, methods: str, *extra: str, tokens: int = 8) -> dict:
+    from dflash.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--target", target, "--threads", "2", "--suites", "chat", "--limit", "1",
+                 "--max-new-tokens", str(tokens), "--methods", methods, "--out", str(out), *extra]) == 0
+    report = json.loads((out / "results.json").read_text())
+    lines = (out / "samples.jsonl").read_text().splitlines()[1:]
+    report["outputs"] = {json.loads(line)["method"]: json.loads(line)["output_ids"] for line in lines}
+    report["markdown"] = (out / "report.md").read_text()
+    return report
+
+
+def _check_gguf_methods(report: dict, gguf: Path, weights: str) -> dict:
+    rows = {r["method"]: r for r in report["results"]}
+    for m in ("llamacpp-ar-gguf", "llamacpp-spec-gguf"):
+        assert rows[m]["new_tokens"] > 0 and isinstance(rows[m]["greedy_mismatches"], int)
+        peer = report["peers"][m]
+        assert peer["target"] == gguf.name and peer["target_weights"] == weights
+        assert f"`{m}`" in report["markdown"]
+    assert rows["llamacpp-ar-gguf"]["tau"] is None and report["peers"]["llamacpp-ar-gguf"]["speculative"] is None
+    spec = rows["llamacpp-spec-gguf"]
+    steps = sum(spec["acceptance_length_histogram"].values())
+    # every decoding step counted, drafted or not: the tokens after the first, less the kept drafts
+    assert steps == spec["new_tokens"] - spec["prompts"] - sum(spec["accepted_per_position"])
+    assert spec["tau"] >= 1.0 and report["peers"]["llamacpp-spec-gguf"]["speculative"] in report["markdown"]
+    return report["peers"]["llamacpp-spec-gguf"]
+
+
+def test_llamacpp_gguf_methods_on_the_default_targets_gguf(tmp_path):
+    """`dflash bench --target SmolLM2's GGUF`: llama.cpp's plain decoding of that very file and
+    its own speculation (n-gram: no smaller model has SmolLM2's tokenizer), greedy agreement
+    with `ar` reported, llama.cpp's speculative output equal to its plain output."""
+    from dflash.model_files import default_target_gguf
+
+    _need(("llama-server is not built (make peers)", llamacpp.binary("llama-server").is_file()))
+    gguf = default_target_gguf()
+    report = _bench(tmp_path, str(gguf), "ar,llamacpp-ar-gguf,llamacpp-spec-gguf", "--target-backend", "hf")
+    spec = _check_gguf_methods(report, gguf, "Q4_1")
+    assert "n-gram" in spec["speculative"] and spec["drafter"] is None
+    assert report["outputs"]["llamacpp-spec-gguf"] == report["outputs"]["llamacpp-ar-gguf"]
+
+
+@pytest.mark.slow
+def test_llamacpp_gguf_methods_on_qwen_coder(tmp_path):
+    """The same on Qwen2.5-Coder-1.5B's GGUF: llama.cpp's speculation drafts with the installed
+    Qwen2.5-Coder-0.5B (same tokenizer, smaller). The drafter given is random: these methods
+    do not use it (the engine needs one until it serves without). `ar` runs on hf: the
+    llamacpp backend cannot give a qwen2 target's layer features to a drafter."""
+    import torch
+
+    from dflash.engine.drafter import init_random_drafter, save_drafter
+    from dflash.engine.drafter_config import DrafterConfig
+    from dflash.model_files import (QWEN_CODER_05B, QWEN_CODER_15B, installed, model_gguf, random_drafter_config,
+                                    resolve_target)
+
+    _need(("llama-server is not built (make peers)", llamacpp.binary("llama-server").is_file()),
+          *((f"{n} is not installed (dflash models {n})", installed(n)) for n in (QWEN_CODER_15B, QWEN_CODER_05B)))
+    torch.set_num_threads(2)
+    gguf = model_gguf(QWEN_CODER_15B)
+    drafter = tmp_path / "random-drafter"
+    cfg = random_drafter_config(resolve_target(str(gguf), quiet=True).folder)
+    save_drafter(init_random_drafter(DrafterConfig.from_dict({**cfg, "num_hidden_layers": 1}), seed=0), drafter)
+    report = _bench(tmp_path, str(gguf), "ar,llamacpp-ar-gguf,llamacpp-spec-gguf", "--drafter", str(drafter),
+                    "--target-backend", "hf", tokens=16)
+    spec = _check_gguf_methods(report, gguf, "Q4_K_M")
+    assert model_gguf(QWEN_CODER_05B).name in spec["speculative"] and "draft model" in spec["speculative"]

@@ -209,15 +209,19 @@ def cmd_doctor(args) -> int:
 def cmd_bench(args) -> int:
     from pathlib import Path
 
-    from dflash.bench.run import markdown, reference_engine, run_bench, write_report
+    from dflash.bench.run import check_drafter, markdown, reference_engine, run_bench, write_report
+    from dflash.model_files import default_target_dir, resolve_target
 
     from dflash.train.assistant import assistant_dir
 
     from dflash.bench.llamacpp import peer_for
 
-    engine = engine_from_args(args)
     methods = args.methods.split(",")
-    peer = peer_for(args.target, args.drafter, methods, engine.block_size)
+    # Only the embedded default has a drafter unless one is given (before any model loads).
+    check_drafter(methods, bool(args.drafter) or
+                  resolve_target(target_arg(args)).folder.resolve() == default_target_dir().resolve())
+    engine = engine_from_args(args)
+    peer = peer_for(target_arg(args), args.drafter, methods, engine.block_size, args.target_gguf)
     assistant = assistant_dir(args.assistant, reference_engine(engine).target.model, args.target is None) if (
         "assisted-ar" in methods) else None
     suites = [s for s in args.suites.split(",") if s and s != "none"]

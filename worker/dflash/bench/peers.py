@@ -135,8 +135,7 @@ def check_runs(out: Path) -> dict:
     checks = {}
     for suite in sorted({s for s, _ in rows}):
         idx = sorted(i for s, m, i in samples if s == suite and m == "llamacpp-ar")
-        pairs = {m: m.replace("llamacpp-dflash", "llamacpp-ar") for s, m in rows
-                 if s == suite and llamacpp.is_speculative_peer(m)}
+        pairs = {m: llamacpp.plain_of(m) for s, m in rows if s == suite and llamacpp.is_dflash_peer(m)}
         ours, theirs = rows[(suite, "dflash-16")]["tau"], rows[(suite, "llamacpp-dflash")]["tau"]
         checks[suite] = {
             "prompts": len(idx),

@@ -38,7 +38,7 @@ import torch
 
 from dflash.bench.ceiling import ceiling_table, suffix_ceiling
 from dflash.bench.replay import replay_suffix
-from dflash.bench.llamacpp import is_peer_method, is_speculative_peer, peer_notes
+from dflash.bench.llamacpp import is_dflash_peer, is_peer_method, is_speculative_peer, peer_notes
 from dflash.engine.costs import cpu_name
 from dflash.engine.engine import Engine, GenerationRequest, dtype_name
 
@@ -71,6 +71,24 @@ HF_METHODS = ("ar-hf", "prompt-lookup", "assisted-ar", AR_REFERENCE)  # need the
 
 def is_engine_method(method: str) -> bool:
     return block_size_of(method) is not None or method in (AUTO, SUFFIX)
+
+
+def needs_drafter(method: str) -> bool:
+    """Whether a method drafts with a DFlash drafter: `dflash-N` (N > 1) and llama.cpp's
+    `llamacpp-dflash*`. The others run on the target alone: `ar`, `ar-hf`, `ar-reference`,
+    `dflash-auto` and `suffix` (the drafter-free proposers where there is no drafter),
+    `prompt-lookup`, `assisted-ar` (its own assistant), `llamacpp-ar*` and `llamacpp-spec*`."""
+    size = block_size_of(method)
+    return (size is not None and size > 1) or is_dflash_peer(method)
+
+
+def check_drafter(methods: list[str], has_drafter: bool) -> None:
+    """A run without a DFlash drafter (a target none is given for) takes only the methods that need none."""
+    need = [m for m in methods if needs_drafter(m)]
+    if need and not has_drafter:
+        raise SystemExit(f"dflash bench: {', '.join(need)} draft with a DFlash drafter and this target has none: give "
+                         "--drafter, or only methods that need none (ar, dflash-auto, suffix, ar-hf, prompt-lookup, "
+                         "llamacpp-ar-gguf, llamacpp-spec-gguf, ...)")
 
 
 def reference_engine(engine: Engine) -> Engine:

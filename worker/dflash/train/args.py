@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import argparse
 
+from dflash.train.corpus import ANSWER_TOKENS
+
 
 def _ids(s: str) -> list[int]:
     return [int(x) for x in s.split(",")]
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--target", help="the target: a Hugging Face folder, a GGUF file (converted once into the cache) or "
+                   "a model name (dflash models --list) (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="run directory: features, checkpoints, drafter")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int)
-    data = p.add_argument_group("data (default: the shipped corpus of the default target's answers)")
+    data = p.add_argument_group("data (default: the shipped corpus of the default target's answers; for another "
+                                "target its own answers to the offline prompts, regenerated)")
     data.add_argument("--answers", help="a JSONL of answers (prompt, prompt_ids, response_ids) instead of the corpus")
     data.add_argument("--prompts", type=int, help="regenerate answers for this many offline prompts instead")
     data.add_argument("--prompt-file", help="regenerate answers for the prompts of this JSONL instead")
-    data.add_argument("--max-new-tokens", type=int, default=224, help="answer length when regenerating")
+    data.add_argument("--max-new-tokens", type=int, default=ANSWER_TOKENS, help="answer length when regenerating")
     data.add_argument("--gen-batch", type=int, default=64, help="prompts per batched regeneration")
     data.add_argument("--sequences", type=int, help="train on the first N answers (default: all)")
     data.add_argument("--heldout", type=int, default=24, help="held-out answers per group (code, chat) for τ")
@@ -32,7 +36,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--layers", type=int, default=4, help="draft layers")
     model.add_argument("--block-size", type=int, default=16)
     model.add_argument("--target-layer-ids", type=_ids, help="comma-separated target layer ids (default: spread)")
-    model.add_argument("--mask-token-id", type=int, default=16)
+    model.add_argument("--mask-token-id", type=int,
+                       help="default: an embedding row no text is tokenised to (SmolLM2: 16; Qwen2.5: 151665)")
     opt = p.add_argument_group("objective and schedule")
     opt.add_argument("--lr", type=float, default=6e-4)
     opt.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")

@@ -32,6 +32,8 @@ CORPUS_FILE = CORPUS_DIR / f"{CORPUS_NAME}.jsonl.xz"
 MANIFEST_FILE = CORPUS_DIR / f"{CORPUS_NAME}.json"
 CARD_FILE = CORPUS_DIR / "README.md"
 FIELDS = ("prompt", "prompt_ids", "response_ids")
+# The longest answer the corpus holds, and the default length of answers regenerated for training.
+ANSWER_TOKENS = 224
 
 
 def sha256_of(path: Path) -> str:
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
     g.add_argument("--out", required=True)
     g.add_argument("--batch", type=int, default=64)
     g.add_argument("--window", type=int, default=512, help="prompts sorted by length within windows of this many")
-    g.add_argument("--max-new-tokens", type=int, default=224)
+    g.add_argument("--max-new-tokens", type=int, default=ANSWER_TOKENS)
     g.add_argument("--limit", type=int)
     g.add_argument("--threads", type=int, help="fixed thread count (default: all cores when idle, else one)")
     k = sub.add_parser("pack", help="compress a generated JSONL into the shipped corpus")

@@ -361,13 +361,14 @@ def run_from_args(args) -> int:
     """`dflash train --from-database DSN` (options: dflash.train.args and dflash.train.db_args)."""
     import torch
 
-    from dflash.model_files import ensure_default_drafter, ensure_default_target
+    from dflash.model_files import default_target_dir, ensure_default_drafter, resolve_target
     from dflash.train.trainer import TrainConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    target_dir = Path(args.target) if args.target else ensure_default_target(quiet=True)
-    default_drafter = None if args.target else ensure_default_drafter(target_dir, quiet=True)[0]
+    target_dir = resolve_target(args.target, quiet=True).folder
+    default_drafter = (ensure_default_drafter(target_dir, quiet=True)[0]
+                       if target_dir.resolve() == default_target_dir().resolve() else None)
     cfg = TrainConfig(
         epochs=args.epochs, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup_steps,
         max_anchors=args.max_anchors, seqs_per_step=args.seqs_per_step, block_tokens=args.block_tokens,

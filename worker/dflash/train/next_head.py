@@ -1,23 +1,34 @@
 """Train the next-token head (dflash.engine.proposers.head) on the target's own greedy answers.
 
-    python -m dflash.train.next_head --out DIR [--records 1500] [--heldout 150] [--epochs 3]
-                                     [--vocab 2048] [--backends ort,ort-q4_1]
+    python -m dflash.train.next_head --out DIR [--target NAME|GGUF|DIR] [--records 1500] [--heldout 150]
+                                     [--epochs 3] [--vocab 2048] [--backends ort,ort-q4_1]
+                                     [--answers FILE.jsonl | --prompts N [--max-new-tokens N]]
 
-The shipped corpus (dflash.train.corpus) holds the default target's greedy answers. For the
-first `--records` of them the target (on the first of `--backends`, whose last feature
-output the head will read at inference) runs prompt + answer once, and every answer position i gives one
-example: (the residual after the last layer at i, answer token i + 1) -> answer token i + 2.
-The last `--heldout` records are never trained on; the top-1 accuracy on them and its
-calibration by confidence go into the head's config.json. The guessable tokens are the
-`--vocab` most frequent ones of the shipped drafter's draft vocabulary (their output
-embeddings, frozen, are the target's). About 6 minutes for the features of 1,500 records and
-4 for three epochs on a 2-core CPU.
+A head is made for one target (`--target`: a Hugging Face folder, a GGUF file or a model
+name; default the embedded SmolLM2) and the backends named in it: the engine loads it only
+for those (dflash.engine.proposers.head.fits). Its examples are the target's own greedy
+answers: the shipped corpus (dflash.train.corpus) for the default target, else `--answers`
+(a JSONL of prompt, prompt_ids, response_ids, e.g. a `dflash train` run's data.jsonl) or the
+target's answers to `--prompts N` offline prompts, regenerated into DIR/answers/ (kept: a
+second run reuses them). For the first `--records` of them the target (on the first of
+`--backends`, whose last feature output the head will read at inference) runs prompt +
+answer once, and every answer position i gives one example: (the residual after the last
+layer at i, answer token i + 1) -> answer token i + 2. The last `--heldout` records are never
+trained on; the top-1 accuracy on them and its calibration by confidence go into the head's
+config.json. The guessable tokens are the `--vocab` most frequent ones of the shipped
+drafter's draft vocabulary (the default target) or of the training answers (another
+target); their output embeddings, frozen, are the target's. About 6 minutes for the
+features of 1,500 records and 4 for three epochs on a 2-core CPU (SmolLM2).
+
+The backends: the default target's head is for `ort,ort-q4_1`; another target's for `hf`
+unless named. The `llamacpp` backend cannot feed a head (it gives no last-layer output).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.engine.proposers import head as head_mod
+from dflash.errors import DFlashError
 
 
 def examples(target, records: list[dict], desc: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,14 +85,15 @@ def accuracy(head, data, embed, out, vocab: torch.Tensor) -> dict:
     return {"top1": round(right.mean().item(), 4), "by_confidence": bins, "positions": len(right)}
 
 
-def train(target, records: list[dict], heldout: list[dict], vocab: list[int], epochs: int, lr: float = 2e-3,
-          batch: int = 512, seed: int = 0) -> tuple[head_mod.NextHead, dict]:
+def train(target, folder: Path, records: list[dict], heldout: list[dict], vocab: list[int], epochs: int,
+          lr: float = 2e-3, batch: int = 512, seed: int = 0) -> tuple[head_mod.NextHead, dict]:
+    """The head for `target` (its Hugging Face folder `folder`, whose final norm it reads)."""
     from tqdm import tqdm
 
     from dflash.engine.target.hf_files import read_tensors
 
     torch.manual_seed(seed)
-    final_norm = read_tensors(target.hf_dir, ("model.norm.weight",))["model.norm.weight"].float()
+    final_norm = read_tensors(folder, ("model.norm.weight",))["model.norm.weight"].float()
     vocab_t = torch.tensor(vocab)
     out = target.head_weight().detach().float()[vocab_t]
     index = torch.full((target.vocab_size,), -100, dtype=torch.long)
@@ -90,6 +103,7 @@ def train(target, records: list[dict], heldout: list[dict], vocab: list[int], ep
     head = head_mod.NextHead(target.hidden_size, final_norm)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.01)
     n = len(tr[0])
+    batch = min(batch, n)  # a few answers (a short trial run) still make whole steps
     steps = epochs * (n // batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=max(steps, 1), pct_start=0.05)
     t0 = time.time()
@@ -109,35 +123,90 @@ def train(target, records: list[dict], heldout: list[dict], vocab: list[int], ep
     return head, report
 
 
+# The default target's head reads the ort graph's last feature output (the ort-q4_1 graph is
+# the same with other weights); another target's, the backend every target runs on.
+DEFAULT_BACKENDS = "ort,ort-q4_1"
+OTHER_TARGET_BACKENDS = "hf"
+
+
+def training_answers(args, target, files) -> tuple[list[dict], str]:
+    """(the answers the head learns from, what they are)."""
+    from dflash.train.corpus import CORPUS_FILE, load_corpus
+    from dflash.train.pipeline import corpus_fits, training_records
+
+    if not args.answers and not args.prompts:
+        records = load_corpus()
+        if corpus_fits(target, records):
+            return records, f"the shipped corpus ({CORPUS_FILE.name})"
+        raise DFlashError("bad_corpus", f"the shipped corpus holds another target's answers, not {target.name}'s: "
+                          "give --prompts N (the target answers N offline prompts) or --answers FILE.jsonl")
+    regen = target
+    if not args.answers and target.backend != "hf":  # answers are generated by transformers
+        from dflash.engine.target.hf import HFTarget
+
+        regen = HFTarget.from_pretrained(files.folder)
+    records = training_records(regen, Path(args.out) / "answers", prompts=args.prompts, prompt_file=None,
+                               max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
+                               answers=Path(args.answers) if args.answers else None)
+    if not corpus_fits(target, records):
+        raise DFlashError("bad_corpus", f"the answers were not made with {target.name}'s tokenizer and chat template")
+    return records, str(args.answers) if args.answers else f"the target's answers to {args.prompts} offline prompts"
+
+
 def main(argv: list[str] | None = None) -> int:
     from dflash.engine import draft_vocab
     from dflash.loading import load_target
-    from dflash.model_files import SHIPPED_DRAFTER, default_target_dir, ensure_default_target
-    from dflash.train.corpus import load_corpus
+    from dflash.model_files import SHIPPED_DRAFTER, default_target_dir, resolve_target
+    from dflash.train.corpus import ANSWER_TOKENS
+    from dflash.train.draft_vocab import choose
 
     p = argparse.ArgumentParser(prog="python -m dflash.train.next_head", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--target", help="a Hugging Face folder, a GGUF file or a model name (dflash models --list) "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--records", type=int, default=1500)
     p.add_argument("--heldout", type=int, default=150)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--backends", default="ort,ort-q4_1",
+    p.add_argument("--backends",
                    help="the backends the head is for, comma-separated: the features come from the first; the "
-                        "others must give the same last feature (ort-q4_1 is the ort graph with other weights)")
+                        f"others must give the same last feature (default: {DEFAULT_BACKENDS} for the default "
+                        f"target, whose ort-q4_1 is the ort graph with other weights; {OTHER_TARGET_BACKENDS} for "
+                        "another)")
+    p.add_argument("--answers", help="a JSONL of the target's answers (prompt, prompt_ids, response_ids) instead of "
+                   "the shipped corpus")
+    p.add_argument("--prompts", type=int, help="the target answers this many offline prompts first (into OUT/answers)")
+    p.add_argument("--max-new-tokens", type=int, default=ANSWER_TOKENS, help="answer length with --prompts")
+    p.add_argument("--gen-batch", type=int, default=8, help="prompts per batched answer with --prompts")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    ensure_default_target(quiet=True)
-    backends = [b for b in args.backends.split(",") if b]
-    target = load_target(default_target_dir(), backends[0])
-    records = load_corpus()
-    train_on, held = records[:args.records], records[-args.heldout:]
-    vocab = draft_vocab.read(SHIPPED_DRAFTER)[:args.vocab]
-    head, report = train(target, train_on, held, vocab, args.epochs)
+    try:
+        files = resolve_target(args.target, quiet=True)
+        default = files.folder.resolve() == default_target_dir().resolve()
+        backends = [b for b in (args.backends or (DEFAULT_BACKENDS if default else OTHER_TARGET_BACKENDS)).split(",")
+                    if b]
+        target = load_target(files.folder, backends[0], gguf=files.gguf)
+        records, source = training_answers(args, target, files)
+        if len(records) <= args.heldout:
+            raise DFlashError("bad_params", f"{len(records)} answers leave none to train on after --heldout "
+                              f"{args.heldout}")
+        held = records[-args.heldout:]
+        train_on = records[:min(args.records, len(records) - args.heldout)]
+        if default:
+            vocab, vocab_source = (draft_vocab.read(SHIPPED_DRAFTER)[:args.vocab],
+                                   "the shipped drafter's draft vocabulary, most frequent first")
+        else:
+            vocab = choose(train_on, 1.0, target.eos_ids, k=args.vocab)["token_ids"][:args.vocab]
+            vocab_source = "the training answers' most frequent tokens"
+    except DFlashError as exc:
+        print(f"dflash: error: {exc.message}", file=sys.stderr)
+        return 2
+    head, report = train(target, files.folder, train_on, held, vocab, args.epochs)
     info = {"target": target.name, "backends": backends, "layer": target.num_layers - 1,
             "input": "the residual after the last layer, before the final norm, and the next token's embedding",
-            "vocab_source": "the shipped drafter's draft vocabulary, most frequent first", "vocab_k": len(vocab),
-            "corpus": {"first_records": args.records, "heldout_last": args.heldout},
+            "vocab_source": vocab_source, "vocab_k": len(vocab),
+            "corpus": {"source": source, "first_records": len(train_on), "heldout_last": len(held)},
             "trained": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **report}
     head_mod.save(Path(args.out), head, vocab, info)
     print(f"held-out top-1 {report['heldout']['top1']:.3f} over {report['heldout']['positions']} positions; "

@@ -2,13 +2,18 @@
 
     python -m dflash.train.oneshot --out RUN --export OUT --train-min 10
 
-It starts from the shipped training corpus (corpus.py: the target's answers, so no
-minute goes to regenerating them; `--answer-min M` answers missing prompts first), puts
+`--target` is the embedded default (SmolLM2) unless given: a Hugging Face folder, a GGUF file
+or a model name (`--target qwen2.5-coder-1.5b-instruct`). It starts from the shipped
+training corpus (corpus.py: the default target's answers, so no minute goes to regenerating
+them; `--answer-min M` answers missing prompts first; for another target, whose token ids
+differ, those minutes answer the corpus's prompts with that target first), puts
 every answer's target features (and top-k soft targets with `--topk`) in device memory,
 and trains the drafter alone on the whole device: bf16, the block-sparse attention of
 blockwise.py, batches of `--block-tokens` block slots, the LM head only at weighted
-slots and in recomputed chunks. It starts from the shipped drafter (`--init-from`;
-`--init target` starts afresh) and continues its lineage. Every `--eval-min` minutes a
+slots and in recomputed chunks. For the default target it starts from the shipped drafter
+(`--init-from`; `--init target` starts afresh) and continues its lineage; for another target
+from a new drafter with the target's layers copied in (its mask token an embedding row no
+text is tokenised to, dflash.train.pipeline.default_mask_token_id). Every `--eval-min` minutes a
 τ estimate on held-out answers (simulate.py) keeps the best drafter; loadable snapshots
 land in `OUT/drafter` every minute and the best in `OUT/best`, so a lease cut short
 still leaves its work behind. `OUT/summary.json` reports sequences, tokens/s and achieved
@@ -30,6 +35,7 @@ from pathlib import Path
 import torch
 
 from dflash.engine.target.hf import HFTarget
+from dflash.errors import DFlashError
 
 # Dense bf16 peak TFLOP/s of common cards (vendor figures, no sparsity), for the utilisation line.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0, "RTX 4090": 165.0}
@@ -60,24 +66,30 @@ def assistant_main(args) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from dflash.train.corpus import CORPUS_FILE
+    from dflash.train.corpus import ANSWER_TOKENS, CORPUS_FILE
 
-    default_drafter = Path(__file__).parents[1] / "assets" / "drafters" / "smollm2-135m-instruct-dflash-b16"
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="run directory (checkpoints)")
     p.add_argument("--export", required=True, help="where drafter/, best/ and summary.json go")
-    p.add_argument("--target", help="target folder (default: the embedded SmolLM2)")
+    p.add_argument("--target", help="the target: a Hugging Face folder, a GGUF file or a model name (dflash models "
+                   "--list) (default: the embedded SmolLM2)")
     p.add_argument("--corpus", default=str(CORPUS_FILE), help="packed answers (.jsonl.xz with its manifest)")
-    p.add_argument("--answer-min", type=float, default=0.0, help="first answer prompts missing from the corpus")
+    p.add_argument("--answer-min", type=float, default=0.0,
+                   help="first answer prompts missing from the corpus (a corpus of another target's answers: its "
+                        "prompts first, with this target)")
+    p.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS, help="the longest answer --answer-min makes")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--train-min", type=float, default=10.0)
-    p.add_argument("--init-from", default=str(default_drafter), help="drafter folder to continue")
-    p.add_argument("--init", choices=["from", "target", "random"], default="from",
-                   help="'from': continue --init-from; 'target'/'random': a new drafter")
+    p.add_argument("--init-from", help="drafter folder to continue (default: the shipped drafter, for the default "
+                   "target)")
+    p.add_argument("--init", choices=["from", "target", "random"],
+                   help="'from': continue --init-from; 'target'/'random': a new drafter (default: 'from' where there "
+                        "is a drafter to continue, else 'target')")
     p.add_argument("--layers", type=int, default=4, help="new drafters only")
     p.add_argument("--block-size", type=int, default=16, help="new drafters only")
     p.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")], help="new drafters only")
-    p.add_argument("--mask-token-id", type=int, default=16, help="new drafters only (SmolLM2: an unused special)")
+    p.add_argument("--mask-token-id", type=int,
+                   help="new drafters only (default: an embedding row no text is tokenised to; SmolLM2: 16)")
     p.add_argument("--max-anchors", type=int, default=512)
     p.add_argument("--seqs-per-step", type=int, default=64)
     p.add_argument("--block-tokens", type=int, default=131072, help="block slots per forward (fill the card)")
@@ -98,18 +110,70 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def starting_point(args, target_dir: Path) -> None:
+    """Fill in --init and --init-from: the shipped drafter is continued for the default target
+    (it fits no other); a new drafter, its layers copied from the target, otherwise."""
+    from dflash.model_files import SHIPPED_DRAFTER, default_target_dir
+
+    if args.init_from is None and target_dir.resolve() == default_target_dir().resolve():
+        args.init_from = str(SHIPPED_DRAFTER)
+    if args.init is None:
+        args.init = "from" if args.init_from else "target"
+    if args.init == "from" and not args.init_from:
+        raise DFlashError("bad_params", f"--init from needs --init-from DIR: no drafter ships for {target_dir.name}")
+
+
+def answers(args, target, out: Path) -> list[dict]:
+    """The corpus's answers where they are this target's; otherwise (another target's corpus)
+    none, and `--answer-min` minutes go to answering its prompts with this target first. Either
+    way the prompts still unanswered are answered within those minutes."""
+    from dflash.train.corpus import load_corpus
+    from dflash.train.data import collect_prompts, load_records, regenerate
+    from dflash.train.pipeline import corpus_fits
+
+    corpus = load_corpus(Path(args.corpus))
+    records = corpus if corpus_fits(target, corpus) else []
+    if not records:
+        if args.answer_min <= 0:
+            raise DFlashError("bad_corpus", f"{args.corpus} holds another target's answers (its prompt ids are not "
+                              f"{target.name}'s): give --answer-min M to answer its prompts with this target first, "
+                              "or --corpus of this target's answers")
+        if args.with_assistant:
+            raise DFlashError("bad_params", "--with-assistant trains on the corpus as given: it needs this target's "
+                              "answers (--corpus)")
+    if args.answer_min > 0:
+        extra, deadline = out / "answers.jsonl", time.monotonic() + args.answer_min * 60
+        have = {r["prompt"] for r in records}
+        how = {"max_new_tokens": args.answer_tokens, "batch_size": 1024 if target.device.type == "cuda" else 8,
+               "deadline": deadline}
+        # The corpus's prompts first (none left where it holds this target's answers), then the others.
+        regenerate(target, [r["prompt"] for r in corpus if r["prompt"] not in have], extra, **how)
+        if time.monotonic() < deadline:
+            regenerate(target, [p for p in collect_prompts() if p not in have], extra, **how)
+        records += load_records(extra)
+    return records
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    from dflash.model_files import ensure_default_target
+    from dflash.model_files import resolve_target
 
-    args.target = args.target or str(ensure_default_target())
-    if args.assistant_only:
-        assistant_main(args)
-        return 0
+    try:
+        target_dir = resolve_target(args.target).folder
+        args.target = str(target_dir)
+        if args.assistant_only:
+            assistant_main(args)
+            return 0
+        starting_point(args, target_dir)
+        return run(args)
+    except DFlashError as exc:
+        print(f"dflash: error: {exc.message}", file=sys.stderr)
+        return 2
 
+
+def run(args) -> int:
     from dflash.engine.drafter_config import DrafterConfig
-    from dflash.train.corpus import load_corpus
-    from dflash.train.data import collect_prompts, regenerate, load_records
+    from dflash.engine.engine import check_compatible
     from dflash.train.features import DeviceFeatures
     from dflash.train.pipeline import drafter_config_for, select, starting_drafter
     from dflash.train.simulate import with_groups
@@ -120,21 +184,15 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     export.mkdir(parents=True, exist_ok=True)
     target = HFTarget.from_pretrained(args.target, device=args.device)
-    _log(f"target on {target.device} ({time.monotonic() - t0:.0f} s)")
-    records = load_corpus(Path(args.corpus))
-    if args.answer_min > 0:
-        extra = out / "answers.jsonl"
-        have = {r["prompt"] for r in records}
-        regenerate(target, [p for p in collect_prompts() if p not in have], extra, max_new_tokens=224,
-                   batch_size=1024 if target.device.type == "cuda" else 8,
-                   deadline=time.monotonic() + args.answer_min * 60)
-        records += load_records(extra)
+    _log(f"target {target.name} on {target.device} ({time.monotonic() - t0:.0f} s)")
+    records = answers(args, target, out)
     _log(f"answers: {len(records)} ({sum(len(r['response_ids']) for r in records)} response tokens)")
 
     if args.init == "from":
         dcfg = DrafterConfig.from_file(Path(args.init_from) / "config.json")
     else:
         dcfg = drafter_config_for(target, args.layers, args.block_size, args.target_layer_ids, args.mask_token_id)
+    check_compatible(target, dcfg)  # a drafter made for another target fails now, not after the features
     cfg = TrainConfig(epochs=1000, lr=args.lr, max_anchors=args.max_anchors, seqs_per_step=args.seqs_per_step,
                       block_tokens=args.block_tokens, head_chunk_rows=args.head_chunk_rows, weighting=args.weighting,
                       loss_positions=args.loss_positions, train_block=args.train_block, soft_mix=args.soft_mix,
@@ -175,6 +233,7 @@ def main(argv=None) -> int:
     achieved = state.get("flops", 0.0) / train_s / 1e12
     peak = peak_tflops(args.device)
     summary = {
+        "target": target.name,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__, "answers": len(records), "sequences_in_memory": len(store.sequences),
         "feature_seconds": round(feat_s, 1), "drafter_steps": state["step"], "sequence_passes": state["sequences"],

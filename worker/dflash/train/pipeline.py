@@ -11,6 +11,7 @@ lineage (training.json) it continues.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -18,16 +19,57 @@ import torch
 from dflash.chat import chat_prompt_ids
 from dflash.engine.drafter_config import DrafterConfig, build_target_layer_ids
 from dflash.engine.drafter import DFlashDrafter, init_random_drafter
+from dflash.engine.engine import check_compatible
 from dflash.loading import load_drafter
 from dflash.engine.target.hf import HFTarget
+from dflash.errors import DFlashError
 from dflash.train.data import collect_prompts, load_records, read_prompt_file, regenerate
 from dflash.train.features import FeatureCache
 from dflash.train.simulate import heldout_split, with_groups
 from dflash.train.trainer import TrainConfig, read_lineage, train, training_block
 
 
+# The padding rows llama.cpp's converter lists in a GGUF's vocabulary (an embedding wider than
+# the tokenizer): tokens no text is ever tokenised to.
+PAD_TOKEN = re.compile(r"\[PAD\d+\]")
+# A target without a tokenizer (a bare model in the tests): the default target's mask token.
+FALLBACK_MASK_TOKEN_ID = 16
+
+
+def default_mask_token_id(target) -> int:
+    """A new drafter's mask token for `target`: an embedding row no text is tokenised to. The
+    first row past the tokenizer's real tokens where the embedding has spare rows (the published
+    Qwen3 drafters take 151669, the first past Qwen3's tokenizer; a GGUF lists such rows as
+    [PADn] tokens), else the highest-id special token that is none of bos, eos and pad and not
+    in the chat template (SmolLM2: 16, `<empty_output>`)."""
+    tok = target.tokenizer
+    if tok is None:
+        return FALLBACK_MASK_TOKEN_ID
+    first_spare = min((i for text, i in tok.get_vocab().items() if PAD_TOKEN.fullmatch(text)), default=len(tok))
+    if first_spare < target.vocab_size:
+        return first_spare
+    template = str(getattr(tok, "chat_template", None) or "")
+    taken = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, *target.eos_ids}
+    unused = [i for i, t in tok.added_tokens_decoder.items()
+              if t.special and i not in taken and str(t) not in template and i < target.vocab_size]
+    if not unused:
+        raise DFlashError("bad_params", f"no embedding row of {target.name} is free for the drafter's mask token: "
+                          "give --mask-token-id")
+    return max(unused)
+
+
+def corpus_fits(target, records: list[dict]) -> bool:
+    """Whether answers were made with this target's tokenizer and chat template (the shipped
+    corpus holds the default target's)."""
+    return bool(records) and target.tokenizer is not None and chat_prompt_ids(
+        target.tokenizer, records[0]["prompt"]) == records[0]["prompt_ids"]
+
+
 def drafter_config_for(target: HFTarget, layers: int, block_size: int, layer_ids: list[int] | None,
-                       mask_token_id: int) -> DrafterConfig:
+                       mask_token_id: int | None = None) -> DrafterConfig:
+    """A new drafter's geometry for `target` (its mask token: `default_mask_token_id` unless given)."""
+    if mask_token_id is None:
+        mask_token_id = default_mask_token_id(target)
     cfg = target.config
     n_heads = cfg.num_attention_heads
     return DrafterConfig.from_dict({
@@ -111,8 +153,7 @@ def training_records(target: HFTarget, out: Path, *, prompts: int | None, prompt
         return load_records(Path(answers))
     if prompt_file is None and prompts is None and CORPUS_FILE.is_file():
         records = load_corpus()
-        if target.tokenizer is not None and records and chat_prompt_ids(
-                target.tokenizer, records[0]["prompt"]) == records[0]["prompt_ids"]:
+        if corpus_fits(target, records):
             return records
     todo = read_prompt_file(prompt_file) if prompt_file else collect_prompts(prompts)
     return build_data(target, todo, out / "data.jsonl", max_new_tokens=max_new_tokens, gen_batch=gen_batch)
@@ -136,7 +177,7 @@ def starting_drafter(target: HFTarget, dcfg: DrafterConfig, init: str, init_from
 
 
 def run(target_dir: Path, out: Path, *, prompts: int | None, max_new_tokens: int, gen_batch: int, layers: int,
-        block_size: int, layer_ids: list[int] | None, mask_token_id: int, init: str, cfg: TrainConfig,
+        block_size: int, layer_ids: list[int] | None, mask_token_id: int | None, init: str, cfg: TrainConfig,
         device: str = "cpu", prompt_file: Path | None = None, init_from: Path | None = None,
         sequences: int | None = None, heldout_per_group: int = 24, topk: int = 0,
         answers: Path | None = None, features: Path | None = None) -> Path:
@@ -149,6 +190,7 @@ def run(target_dir: Path, out: Path, *, prompts: int | None, max_new_tokens: int
         dcfg = DrafterConfig.from_file(Path(init_from) / "config.json")
     else:
         dcfg = drafter_config_for(target, layers, block_size, layer_ids, mask_token_id)
+    check_compatible(target, dcfg)  # a drafter made for another target fails now, not after the features
     training_block(cfg, dcfg)  # a bad block length fails now, not after the features
     cache = build_features(target, picked, dcfg.target_layer_ids, features or out / "features", topk=topk)
     drafter, lineage = starting_drafter(target, dcfg, init, init_from, cfg.seed)
@@ -159,7 +201,7 @@ def run(target_dir: Path, out: Path, *, prompts: int | None, max_new_tokens: int
 
 def run_from_args(args) -> int:
     """`dflash train` (options: dflash.train.args)."""
-    from dflash.model_files import ensure_default_target
+    from dflash.model_files import resolve_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -174,7 +216,7 @@ def run_from_args(args) -> int:
         eval_minutes=args.eval_minutes, seed=args.seed,
         stage=args.stage or f"dflash train on {args.device}")
     drafter = run(
-        Path(args.target) if args.target else ensure_default_target(), Path(args.out), prompts=args.prompts,
+        resolve_target(args.target).folder, Path(args.out), prompts=args.prompts,
         max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch, layers=args.layers,
         block_size=args.block_size, layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id,
         init=args.init, cfg=cfg, device=args.device, prompt_file=Path(args.prompt_file) if args.prompt_file else None,
