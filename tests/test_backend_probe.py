@@ -37,9 +37,14 @@ FAKES = textwrap.dedent('''
         def new_sequence(self):
             return Seq()
 
+        def free(self, seq):
+            seq.length = 0
+
         def forward_batch(self, rows, layer_ids=()):
             if self.mode == "segv":
                 os.kill(os.getpid(), signal.SIGSEGV)
+            if self.mode == "no-features" and layer_ids:  # as llama.cpp's qwen2 graph aborts
+                os.kill(os.getpid(), signal.SIGABRT)
             if self.mode == "hang":
                 time.sleep(600)
             logits = []
@@ -83,8 +88,16 @@ def test_a_backend_that_segfaults_is_unusable_with_the_signal_named(fakes):
 
 def test_a_healthy_backend_agrees_with_the_reference(fakes):
     v = probe.verdict("ok", "fake-target", spec("ok"), spec("ok"), fakes)
-    assert v.usable, v.reason
+    assert v.usable and v.features, v.reason
     assert v.agreement["equal"] == v.agreement["positions"] == len(probe.PROMPTS) * probe.NEW_TOKENS
+    assert v.line() == "usable"
+
+
+def test_a_backend_that_dies_giving_features_is_usable_without_a_drafter(fakes):
+    v = probe.verdict("no-features", "fake-target", spec("no-features"), spec("ok"), fakes)
+    assert v.usable and v.features is False
+    assert "SIGABRT" in v.features_reason and "layer features" in v.features_reason
+    assert v.line().startswith("usable without layer features")
 
 
 def test_a_backend_that_disagrees_is_unusable(fakes):
@@ -96,7 +109,7 @@ def test_a_backend_that_disagrees_is_unusable(fakes):
 def test_a_backend_that_hangs_is_unusable(fakes, monkeypatch):
     monkeypatch.setattr(probe, "RUN_TIMEOUT_S", 3.0)
     v = probe.verdict("hang", "fake-target", spec("hang"), spec("ok"), fakes)
-    assert not v.usable and "hung" in v.reason and "decoding" in v.reason
+    assert not v.usable and "hung" in v.reason and "batched decode" in v.reason
 
 
 def test_a_backend_that_refuses_to_load_says_why(fakes):
@@ -185,3 +198,26 @@ def test_a_cache_that_cannot_be_written_keeps_the_verdict_for_this_process(fakes
             ro.chmod(0o700)
     assert not v.usable and "SIGSEGV" in v.reason
     assert "cannot keep a backend probe's verdict" in capsys.readouterr().err
+
+
+def test_a_backend_without_features_is_refused_for_a_drafter_and_passed_over_by_auto(fakes, monkeypatch, smol_dir,
+                                                                                      shared):
+    """With a DFlash drafter, a backend whose feature capture died is a clean
+    incompatible_drafter when named, and not a candidate under auto."""
+    from dflash import loading
+
+    real = loading.target_builders
+
+    def with_a_featureless_backend(target_dir, device="cpu", dtype="float32", gguf=None):
+        featureless = loading._Builder(lambda: pytest.fail("built"), None, name="featureless", target_dir=target_dir,
+                                       probe=spec("no-features"), reference=spec("ok"))
+        return {"hf": real(target_dir, device, dtype, gguf)["hf"], "featureless": featureless}
+
+    monkeypatch.setattr(loading, "target_builders", with_a_featureless_backend)
+    monkeypatch.setattr(loading, "TARGET_BACKENDS", (*loading.TARGET_BACKENDS, "featureless"))
+    with pytest.raises(DFlashError) as err:
+        loading.load_engine(smol_dir, shared / "fixtures/quick-drafter", head="none", target_backend="featureless")
+    assert err.value.code == "incompatible_drafter" and "no layer features" in err.value.message
+    engine = loading.load_engine(smol_dir, shared / "fixtures/quick-drafter", head="none")
+    assert engine.target.backend == "hf"
+    assert engine.target.selection["backends"]["featureless"].startswith("usable without layer features")

@@ -105,7 +105,7 @@ def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "floa
 
     probes = probe_dir()
     if target_backend != "auto":
-        checked = builders[target_backend].require(probes)
+        checked = builders[target_backend].require(probes, features=drafter is not None)
         target = builders[target_backend]()
         target.selection = {"backend": target.backend, "how": "asked for (--target-backend)",
                             "backends": {target_backend: checked}}
@@ -113,7 +113,7 @@ def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "floa
     ready = [name for name, build in builders.items() if build.why_not is None and build.ready]
     # A native backend runs in this process only once a child has run it here (probe.py).
     verdicts = {name: builders[name].verdict(probes) for name in ready}
-    runnable = [name for name in ready if verdicts[name].usable]
+    runnable = [name for name in ready if verdicts[name].usable and (verdicts[name].features or drafter is None)]
     backends = {name: v.line() for name, v in verdicts.items()}
     if runnable == ["hf"]:
         target = builders["hf"]()
@@ -150,17 +150,23 @@ class _Builder:
         """Whether it runs here (probed in a child the first time; the reference always does)."""
         from dflash.engine.target import probe
 
-        if self.probe is None:
-            return probe.Verdict(self.name, True, None, "", "", 0.0, {}, None)
+        if self.probe is None or self.why_not is not None:
+            return probe.Verdict(self.name, True, None, "", "", 0.0, {}, None, features=True)
         return probe.verdict(self.name, self.target_dir, self.probe, self.reference, directory, self.build)
 
-    def require(self, directory: Path) -> str:
-        """The verdict's line, or a clean error where it failed its probe here."""
+    def require(self, directory: Path, features: bool) -> str:
+        """The verdict's line, or a clean error where it failed its probe here, or cannot give
+        the layer features a DFlash drafter reads (`features`: the engine has one)."""
         from dflash.engine.target import probe
 
         if self.probe is None or self.why_not is not None:
             return "usable" if self.why_not is None else self.why_not
-        return probe.require(self.name, self.target_dir, self.probe, self.reference, directory, self.build).line()
+        v = probe.require(self.name, self.target_dir, self.probe, self.reference, directory, self.build)
+        if features and not v.features:
+            raise DFlashError("incompatible_drafter", f"the {self.name} target backend gives no layer features for "
+                                                      f"{Path(self.target_dir).name} ({v.features_reason}): a DFlash "
+                                                      "drafter cannot run on it; choose another --target-backend")
+        return v.line()
 
 
 def build_backend(backend: str, target_dir: str, device: str = "cpu", dtype: str = "float32",
@@ -283,7 +289,7 @@ def load_target(target_dir, backend: str, device: str = "cpu", dtype: str = "flo
     from dflash.model_files import probe_dir
 
     builder = target_builders(target_dir, device, dtype, gguf)[backend]
-    checked = builder.require(probe_dir())
+    checked = builder.require(probe_dir(), features=False)
     target = builder()
     target.selection = {"backend": target.backend, "how": "asked for (--target-backend)", "backends": {backend: checked}}
     return target

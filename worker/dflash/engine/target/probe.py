@@ -37,6 +37,7 @@ from pathlib import Path
 from dflash.errors import DFlashError
 
 KIND = "backend-probe"
+FORMAT = 2  # of a verdict: a kept one of another format is probed again (2: the features asked apart)
 REFERENCE = "hf"
 MARK = "dflash-probe: "  # the child's answers on stdout; anything else it prints is noise
 PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
@@ -66,11 +67,17 @@ class Verdict:
     seconds: float
     key: dict
     agreement: dict | None = None
+    # Whether it gives the layer features a DFlash drafter reads (None: not asked, as for
+    # a backend that failed before); `features_reason`: why not.
+    features: bool | None = None
+    features_reason: str | None = None
 
     def line(self) -> str:
         if not self.key:
             return "usable (the reference: not probed)"
-        return "usable" if self.usable else f"UNUSABLE: {self.reason}"
+        if not self.usable:
+            return f"UNUSABLE: {self.reason}"
+        return "usable" if self.features else f"usable without layer features (no DFlash drafter): {self.features_reason}"
 
 
 def build_of(backend: str) -> dict:
@@ -106,7 +113,7 @@ def key_of(backend: str, target_dir: str | Path, build: dict | None = None) -> d
     from dflash.engine.costs import cpu_name
 
     return {"backend": backend, "cpu": cpu_name(), "target": Path(target_dir).name,
-            "build": {**build_of(backend), **(build or {})}}
+            "build": {**build_of(backend), **(build or {})}, "format": FORMAT}
 
 
 def _path(directory: Path, key: dict) -> Path:
@@ -198,24 +205,33 @@ def reference_tokens(target_dir, spec: Spec, directory: Path) -> dict | None:
             return got.get("reference")
     except (OSError, ValueError):
         pass
-    answer, _ = _run_child(spec, None)
-    ref = answer if isinstance(answer, dict) else None
+    answers, _, _ = _run_child(spec, None)
+    ref = answers.get("plain")
     _keep(path, {"key": key, "cpu": key["cpu"], "reference": ref})
     return ref
 
 
 def _probe(backend: str, key: dict, spec: Spec, ref: dict | None) -> Verdict:
     t = time.monotonic()
-    answer, failure = _run_child(spec, ref)
-    agreement = None
-    if failure is None and ref is not None:
-        agreement = judge(ref, answer)
-        if not agreement["agrees"]:
-            failure = (f"its greedy tokens disagree with the reference path's ({agreement['equal']} of "
-                       f"{agreement['positions']} equal, {agreement['in_top_k']} in the reference's top {TOP_K})")
+    answers, failure, part = _run_child(spec, ref)
+    agreement, features, features_reason = None, None, None
+    if "plain" in answers:
+        failure_plain = failure if part == "plain" else None
+        if ref is not None and failure_plain is None:
+            agreement = judge(ref, answers["plain"])
+            if not agreement["agrees"]:
+                failure_plain = (f"its greedy tokens disagree with the reference path's ({agreement['equal']} of "
+                                 f"{agreement['positions']} equal, {agreement['in_top_k']} in the reference's top "
+                                 f"{TOP_K})")
+        if failure_plain is None:  # usable; the features are a second question
+            features = failure is None and answers.get("features", {}).get("argmax") == answers["plain"]["argmax"] \
+                and answers["features"].get("finite", False)
+            if not features:
+                features_reason = failure or "its logits with features asked for differ from those without"
+        failure = failure_plain
     return Verdict(backend, failure is None, failure, key["cpu"],
                    datetime.now(timezone.utc).isoformat(timespec="seconds"), round(time.monotonic() - t, 2), key,
-                   agreement)
+                   agreement, features, features_reason)
 
 
 def judge(ref: dict, answer: dict) -> dict:
@@ -231,8 +247,9 @@ def judge(ref: dict, answer: dict) -> dict:
     return {"positions": positions, "equal": equal, "in_top_k": in_top, "features_finite": finite, "agrees": agrees}
 
 
-def _run_child(spec: Spec, ref: dict | None) -> tuple[dict | None, str | None]:
-    """(the child's answer, None) or (None, why it failed)."""
+def _run_child(spec: Spec, ref: dict | None) -> tuple[dict, str | None, str]:
+    """The child's answers by part ("plain": a batched decode, then "features": the same with
+    layer features), why it failed (None: it did not) and the part it was in then."""
     job = json.dumps({"spec": asdict(spec), "reference": ref})
     proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", __name__], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -242,25 +259,27 @@ def _run_child(spec: Spec, ref: dict | None) -> tuple[dict | None, str | None]:
     threading.Thread(target=lambda: [err.append(x) for x in proc.stderr], daemon=True).start()
     proc.stdin.write(job)
     proc.stdin.close()
-    answer, phase = None, "load"
+    answers: dict = {}
+    error, part = None, "load"
     deadline = time.monotonic() + LOAD_TIMEOUT_S
     try:
         while True:
             try:
                 line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                limit = LOAD_TIMEOUT_S if phase == "load" else RUN_TIMEOUT_S
-                return None, f"no answer within {limit:.0f} s ({'loading' if phase == 'load' else 'decoding'}: hung)"
+                limit = LOAD_TIMEOUT_S if part == "load" else RUN_TIMEOUT_S
+                return answers, f"no answer within {limit:.0f} s ({_PARTS[part]}: hung)", part
             if line is None:
                 break
             if line.startswith(MARK):
                 msg = json.loads(line[len(MARK):])
                 if msg.get("loaded"):
-                    phase, deadline = "run", time.monotonic() + RUN_TIMEOUT_S
+                    part, deadline = "plain", time.monotonic() + RUN_TIMEOUT_S
                 elif "answer" in msg:
-                    answer = msg["answer"]
+                    answers[part] = msg["answer"]
+                    part, deadline = "features", time.monotonic() + RUN_TIMEOUT_S
                 elif "error" in msg:
-                    answer = {"error": msg["error"]}
+                    error = msg["error"]
         rc = proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
@@ -268,13 +287,14 @@ def _run_child(spec: Spec, ref: dict | None) -> tuple[dict | None, str | None]:
             proc.wait()
     tail = " | ".join(x.strip() for x in err[-3:] if x.strip())
     if rc < 0:
-        name = signal.Signals(-rc).name
-        where = "while loading" if phase == "load" else "in a batched decode"
-        return None, f"killed by {name} {where}" + (f" ({tail})" if tail else "")
-    if answer is None or "error" in answer:
-        why = answer["error"] if answer else f"exited with status {rc} and no answer"
-        return None, f"failed: {why}"
-    return answer, None
+        return answers, f"killed by {signal.Signals(-rc).name} {_PARTS[part]}" + (f" ({tail})" if tail else ""), part
+    if error is not None or "features" not in answers:
+        why = error or f"exited with status {rc} and no answer" + (f" ({tail})" if tail else "")
+        return answers, f"failed {_PARTS[part]}: {why}", part
+    return answers, None, part
+
+
+_PARTS = {"load": "while loading", "plain": "in a batched decode", "features": "in a batched decode with layer features"}
 
 
 # --- the child ---------------------------------------------------------------------------------
@@ -286,10 +306,6 @@ def _say(**msg) -> None:
 
 def _child() -> None:
     import importlib
-
-    import torch
-
-    from dflash.engine.target.protocol import TargetRow
 
     job = json.loads(sys.stdin.read())
     spec, ref = Spec(**job["spec"]), job["reference"]
@@ -307,7 +323,19 @@ def _child() -> None:
         forced = None
     else:
         prompts, forced = ref["prompts"], ref["tokens"]
-    layers = tuple(sorted({0, max(0, target.num_layers // 2 - 1)}))
+    try:
+        _say(answer=_decode(target, prompts, forced, ()))
+        _say(answer=_decode(target, prompts, forced, tuple(sorted({0, max(0, target.num_layers // 2 - 1)}))))
+    except DFlashError as exc:
+        _say(error=exc.message)
+
+
+def _decode(target, prompts: list[list[int]], forced: list[list[int]] | None, layers: tuple[int, ...]) -> dict:
+    """NEW_TOKENS greedy steps of every prompt in one batch (teacher-forced on `forced`)."""
+    import torch
+
+    from dflash.engine.target.protocol import TargetRow
+
     seqs = [target.new_sequence() for _ in prompts]
     out = target.forward_batch([TargetRow(s, p, 1) for s, p in zip(seqs, prompts)], layers)
     argmax, top, tokens = [[] for _ in prompts], [[] for _ in prompts], [[] for _ in prompts]
@@ -323,7 +351,9 @@ def _child() -> None:
             tokens[i].append(nxt[-1])
         if step + 1 < NEW_TOKENS:
             out = target.forward_batch([TargetRow(s, [t], 1) for s, t in zip(seqs, nxt)], layers)
-    _say(answer={"prompts": prompts, "tokens": tokens, "top": top, "argmax": argmax, "finite": finite})
+    for seq in seqs:
+        target.free(seq)
+    return {"prompts": prompts, "tokens": tokens, "top": top, "argmax": argmax, "finite": finite}
 
 
 if __name__ == "__main__":
