@@ -285,13 +285,21 @@ def _run_child(spec: Spec, ref: dict | None) -> tuple[dict, str | None, str]:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    tail = " | ".join(x.strip() for x in err[-3:] if x.strip())
+    tail = _cause(err)
     if rc < 0:
         return answers, f"killed by {signal.Signals(-rc).name} {_PARTS[part]}" + (f" ({tail})" if tail else ""), part
     if error is not None or "features" not in answers:
         why = error or f"exited with status {rc} and no answer" + (f" ({tail})" if tail else "")
         return answers, f"failed {_PARTS[part]}: {why}", part
     return answers, None, part
+
+
+def _cause(err: list[str]) -> str:
+    """What the child's error output says of its end: the runtime's assertion or Python's fatal
+    error where it printed one (not faulthandler's stack and module list), else its last line."""
+    lines = [x.strip() for x in err if x.strip()]
+    said = [x for x in lines if any(k in x.lower() for k in ("assert", "fatal", "error"))]
+    return " | ".join(said[-2:]) if said else (lines[-1] if lines else "")
 
 
 _PARTS = {"load": "while loading", "plain": "in a batched decode", "features": "in a batched decode with layer features"}
