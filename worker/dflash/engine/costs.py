@@ -307,6 +307,8 @@ class _StepBench:
     parts of a step for all of them at once (an engine without a drafter: the verify alone,
     every draft priced at nothing)."""
 
+    drafts = True  # whether there is a drafter to time
+
     def __init__(self, engine, seqs: int = 1, context: int = CONTEXT_TOKENS):
         from dflash.engine.target import TargetRow
 
@@ -320,7 +322,8 @@ class _StepBench:
         self.feats = out.features[0]
         self.proposer = engine.dflash
         self.row = TargetRow
-        if self.proposer is None:
+        self.drafts = self.proposer is not None
+        if not self.drafts:
             return
         self.states = [self.proposer.start(None) for _ in range(seqs)]
         # The drafter's cache holds the context (all rows but the anchor's).
@@ -337,7 +340,7 @@ class _StepBench:
     def draft(self, D: int, context_rows: int = 1) -> None:
         """A draft of D after `context_rows` rows of new context features (the drafter's cache
         holds the rest of the prompt; the rows are written again each time)."""
-        if self.proposer is None:
+        if not self.drafts:
             return
         committed = [ps.cache.length for ps in self.states]
         for ps in self.states:
@@ -398,7 +401,7 @@ def _curve(bench: _StepBench, lengths, repeats: int) -> tuple[list[float], list[
     B = bench.block_size
     lengths = [n for n in lengths if n < B] + [B]
     verify_at = {L: float("inf") for L in lengths}
-    draft_at = {L: float("inf") for L in lengths if L > 1 and bench.proposer is not None}
+    draft_at = {L: float("inf") for L in lengths if L > 1 and bench.drafts}
     both_at = dict(draft_at)  # a draft and the verify after it
     for r in range(repeats):
         for L in lengths if r % 2 == 0 else lengths[::-1]:
@@ -466,7 +469,7 @@ def spot_check(engine, curve: CostCurve) -> dict:
     checks = {}
     for L in sorted({min(n, B) for n in SPOT_LENGTHS}):
         checks[f"verify_{L}"] = (bench.verify_s(L), curve.verify_s[L - 1])
-    if B > 1 and bench.proposer is not None:
+    if B > 1 and bench.drafts:
         checks[f"draft_{B}"] = (bench.drafted_s(B), curve.draft_s[B - 1])
     bench.close()
     if curve.batch_verify_s:
@@ -489,7 +492,7 @@ def spot_prices(engine, lengths=(1, 2, 4), repeats: int = REPEATS) -> dict:
     bench = _StepBench(engine, context=TYPICAL_CONTEXT)
     bench.verify(max(lengths)), bench.draft(max(lengths))  # warm up the largest shapes
     verify = {str(L): bench.verify_s(L, repeats) for L in lengths}
-    draft = {str(L): bench.drafted_s(L, repeats, verify[str(L)]) if bench.proposer is not None else 0.0
+    draft = {str(L): bench.drafted_s(L, repeats, verify[str(L)]) if bench.drafts else 0.0
              for L in lengths if 1 < L <= engine.block_size}
     bench.close()
     target, ids = engine.target, probe_prompt(engine.target, PREFILL_TOKENS)
