@@ -153,13 +153,13 @@ def test_under_load_speculation_backs_off():
     """Alone, verifying 4 costs 1.6 plain steps and good drafts pay; in a batch of 8 each
     extra row delays a step that commits eight tokens, so time is priced at the batch's rate
     and the same acceptance no longer pays."""
-    from dflash.engine.knobs import PolicyConfig
+    from dflash.engine.knobs import SpeculativeConfig
     from dflash.engine.policy import BlockPolicy, Prior
 
-    curve, cfg = _loaded_curve(), PolicyConfig()
+    curve, cfg = _loaded_curve(), SpeculativeConfig()
     prior = Prior.from_counts([60, 45, 30, 20, 12, 7, 4], [80, 60, 45, 30, 20, 12, 7], 7, cfg)
-    alone = BlockPolicy(curve, 8, prior, cfg)
-    loaded = BlockPolicy(curve, 8, prior, cfg)
+    alone = BlockPolicy.drafting(curve, 8, prior, cfg)
+    loaded = BlockPolicy.drafting(curve, 8, prior, cfg)
     loaded.price(curve.prices(8, drafting=8))
     assert alone.draft_length() > 1
     assert loaded.draft_length() == 1

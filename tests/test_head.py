@@ -67,7 +67,7 @@ def test_a_head_loads_only_for_its_target_and_backends(tmp_path, tiny):
     _random_head(tmp_path / "ort-only", engine.target, backends=("ort",))
     assert head_mod.for_target(engine.target, tmp_path / "ort-only") is None
     assert head_mod.for_target(engine.target, tmp_path / "nothing-here") is None
-    assert engine.head is not None
+    assert engine.proposer("head") is not None
 
 
 @pytest.mark.parametrize("bits", [None, 8])
@@ -102,7 +102,7 @@ def test_several_states_are_guessed_in_one_call_as_each_alone(tiny):
     states spent ~10 % of the step on it); each guess is the one it gets asked alone, and a
     state with no residual yet still gets none."""
     engine, _ = tiny
-    head = engine.head
+    head = engine.proposer("head")
     states = [engine.admit(GenerationRequest(input_ids=PROMPT, max_new_tokens=4)) for _ in range(4)]
     for i, state in enumerate(states):
         state.output_ids.append(20 + i)
@@ -128,30 +128,40 @@ def test_several_states_are_guessed_in_one_call_as_each_alone(tiny):
 def test_no_residual_yet_no_guess(tiny):
     engine, _ = tiny
     state = engine.admit(GenerationRequest(input_ids=PROMPT, max_new_tokens=4))
-    assert engine.head.propose([(state, 2)])[0].tokens.numel() == 0
+    assert engine.proposer("head").propose([(state, 2)])[0].tokens.numel() == 0
     engine.release(state)
 
 
 def test_the_policy_verifies_a_guess_only_where_it_pays():
+    from dflash.engine.calibration import PointMass
     from dflash.engine.costs import CostCurve
-    from dflash.engine.knobs import PolicyConfig
-    from dflash.engine.policy import BlockPolicy, Prior
+    from dflash.engine.knobs import SpeculativeConfig
+    from dflash.engine.policy import BlockPolicy
+    from dflash.engine.proposers.protocol import Draft, Offer, RunningPrice
 
-    cfg = PolicyConfig()
+    cfg = SpeculativeConfig()
 
     def policy(verify_s):
         curve = CostCurve(verify_s, [0.0] * len(verify_s))
-        return BlockPolicy(curve, 8, Prior.default(7, cfg), cfg)
+        return BlockPolicy(curve, 8, cfg, {"suffix": PointMass(cfg, 7), "head": PointMass(cfg, 7)})
+
+    def offer(name, confidence):
+        return Offer(name, None, Draft(torch.arange(len(confidence)), None, confidence), RunningPrice(0.0))
+
+    def choice(policy, *offers):
+        got, n = policy.choose(list(offers))
+        return (got.name if got is not None else None), n
 
     cheap = policy([1.0, 1.03] + [1.5] * 6)  # a second row nearly free (ort: a plain step runs two)
-    assert cheap.plan(None, 0.0, False, 0, [0.3]) == ("head", 2)
-    assert cheap.plan([0.9, 0.9], 0.0, False, 0, [0.9])[0] == "suffix"  # a chain, when there is one
+    assert choice(cheap, offer("head", [0.3])) == ("head", 2)
+    # a chain worth more than the guess wins
+    assert choice(cheap, offer("suffix", [0.9, 0.9]), offer("head", [0.9]))[0] == "suffix"
     dear = policy([1.0, 2.0] + [2.5] * 6)
-    assert dear.plan(None, 0.0, False, 0, [0.3]) == (None, 1)
+    assert choice(dear, offer("head", [0.3])) == (None, 1)
     # Its outcomes calibrate it: guesses at 0.9 that are never kept stop being verified.
     for _ in range(60):
-        cheap.observe_guess([0.9], 2, 0, 0.0)
-    assert cheap.plan(None, 0.0, False, 0, [0.9]) == (None, 1)
+        cheap.observe(offer("head", [0.9]), [0.9], 2, 0, 2)
+    assert choice(cheap, offer("head", [0.9])) == (None, 1)
 
 
 def test_greedy_with_guesses_is_the_targets_greedy_and_counts_them(tiny):
@@ -182,33 +192,35 @@ AMBIGUOUS = [1, 5, 6, 7, 8, 30, 31, 32, 2, 5, 6, 7, 8, 30, 31, 32, 4, 5, 6, 7, 8
 def test_one_head_call_guesses_and_chooses_a_chains_first_token(tiny):
     """In a step the head is asked once: for a guess where a state has no chain, and for the
     first token of a chain whose earlier occurrences went different ways (that chain is
-    replaced by the suffix proposer's `rechoose` with the head's probabilities, as alone)."""
+    replaced by the suffix proposer's `rechoose` with the head's probabilities, as alone):
+    the composed proposer's offers."""
     from dflash.engine import step as step_mod
     from dflash.engine.proposers.suffix import SuffixProposer
 
     engine, _ = tiny
-    head, H = engine.head, engine.target.hidden_size
+    head, H = engine.proposer("head"), engine.target.hidden_size
     novel = engine.admit(GenerationRequest(input_ids=[43, 44, 45, 46], max_new_tokens=8))
     torn = engine.admit(GenerationRequest(input_ids=AMBIGUOUS[:-1], max_new_tokens=8))
     novel.output_ids.append(47)  # never seen before: no chain after it
     torn.output_ids.append(AMBIGUOUS[-1])  # "5 6 7 8" again: two earlier went on with 30, one with 40
     for i, state in enumerate((novel, torn)):
         head.observe(state, torch.randn(1, H, generator=torch.Generator().manual_seed(i)))
-    looked = [(s, *step_mod._look(s, engine)) for s in (novel, torn)]
-    assert looked[0][2] is None and SuffixProposer.choices(torn) is not None
+    items = [(s, step_mod._most(s, engine)) for s in (novel, torn)]
+    chains = engine.proposer("suffix").propose(items)
+    assert chains[0].tokens.numel() == 0 and SuffixProposer.choices(torn) is not None
     alone_probs = head.distributions([torn])[0]
     alone = SuffixProposer.rechoose(torn, head.probability_of(alone_probs, SuffixProposer.choices(torn)))
     calls = []
     run = head.session.run
     head.session.run = lambda *a, **k: calls.append(1) or run(*a, **k)
     try:
-        looked, guesses = step_mod._ask_head(looked, engine)
+        offers = engine.proposer("suffix_head").offer(items)
     finally:
         head.session.run = run
     assert len(calls) == 1
-    assert list(guesses) == [id(novel)] and guesses[id(novel)].tokens.numel() == 1
-    assert looked[1][2].tokens.tolist() == alone.tokens.tolist()
-    assert looked[1][2].confidence == pytest.approx(alone.confidence, rel=1e-5)
+    assert [o.name for o in offers] == ["head", "suffix"] and offers[0].draft.tokens.numel() == 1
+    assert offers[1].draft.tokens.tolist() == alone.tokens.tolist()
+    assert offers[1].draft.confidence == pytest.approx(alone.confidence, rel=1e-5)
     for state in (novel, torn):
         engine.release(state)
 

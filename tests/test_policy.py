@@ -7,12 +7,13 @@ import math
 import pytest
 import torch
 
-from dflash.engine.knobs import PolicyConfig
+from dflash.engine.knobs import SpeculativeConfig
 from dflash.engine.costs import CostCurve, cache_path, load_or_measure
 from dflash.engine.engine import Engine, GenerationRequest
 from dflash.engine.policy import BlockPolicy, Prior, expected_tokens
+from dflash.engine.proposers.protocol import Offer
 
-CFG = PolicyConfig()
+CFG = SpeculativeConfig()
 # A CPU-like curve: verifying more tokens costs more, drafting is not free.
 CPU = CostCurve(verify_s=[1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35], draft_s=[0.0] + [0.2 + 0.02 * d for d in range(7)])
 
@@ -28,7 +29,17 @@ def _policy(prior_rate: float | None, costs=CPU, strength=1000.0) -> BlockPolicy
     width = costs.max_block - 1
     prior = (Prior.default(width, CFG) if prior_rate is None
              else Prior([prior_rate * strength] * width, [strength] * width))
-    return BlockPolicy(costs, costs.max_block, prior, CFG)
+    return BlockPolicy.drafting(costs, costs.max_block, prior, CFG, name="drafter")
+
+
+def _drafter(pending: int = 0) -> Offer:
+    """The drafter's offer (deferred: it drafts only when chosen)."""
+    return Offer("drafter", None, pending=pending)
+
+
+def _observe(policy: BlockPolicy, conf: list[float], verify_len: int, accepted: int, draft_len: int) -> None:
+    """A step's outcome: the drafter's where it drafted, else a plain step's."""
+    policy.observe(_drafter() if draft_len > 1 else None, conf, verify_len, accepted, draft_len)
 
 
 def test_never_kept_means_plain_steps_and_rare_cheap_probes():
@@ -39,7 +50,7 @@ def test_never_kept_means_plain_steps_and_rare_cheap_probes():
         conf = [0.3] * (D - 1)
         L = policy.verify_length(conf) if D > 1 else 1
         lengths.append(D)
-        policy.observe(conf, L, 0, D)
+        _observe(policy, conf, L, 0, D)
     assert lengths[0] == 1
     probes = [d for d in lengths if d > 1]
     assert all(d <= CFG.probe_len for d in probes)
@@ -52,7 +63,7 @@ def _first_probe(policy: BlockPolicy, steps: int = 200) -> int | None:
         D = policy.draft_length()
         if D > 1:
             return i
-        policy.observe([], 1, 0, 1)
+        _observe(policy, [], 1, 0, 1)
     return None
 
 
@@ -87,10 +98,10 @@ def _first_planned_probe(policy: BlockPolicy, prompt_rows: int, steps: int = 400
     """The step of the drafter's first probe when every step leaves one more target row it
     has not seen, after a prompt of `prompt_rows` (what step.py passes as pending rows)."""
     for i in range(steps):
-        who, D = policy.plan(None, 0.0, True, prompt_rows + i)
-        if who == "dflash":
+        who, D = policy.choose([_drafter(prompt_rows + i)])
+        if who is not None:
             return i
-        policy.observe([], 1, 0, 1)
+        _observe(policy, [], 1, 0, 1)
     return None
 
 
@@ -180,7 +191,7 @@ def test_always_kept_means_the_full_block():
         D = policy.draft_length()
         conf = [0.99] * (D - 1)
         L = policy.verify_length(conf)
-        policy.observe(conf, L, L - 1, D)
+        _observe(policy, conf, L, L - 1, D)
     assert policy.draft_length() == CPU.max_block
     assert policy.verify_length([0.99] * (CPU.max_block - 1)) == CPU.max_block
 
@@ -194,10 +205,10 @@ def test_confidence_decides_the_verify_length():
 
 def test_calibration_learns_an_overconfident_drafter():
     policy = _policy(None)
-    before = policy.acceptance([0.95])[0]
+    before = policy.drafter.acceptance([0.95])[0]
     for _ in range(60):
-        policy.observe([0.95, 0.95, 0.95], 4, 0, 4)  # confident, never right
-    assert policy.acceptance([0.95])[0] < before / 4
+        _observe(policy, [0.95, 0.95, 0.95], 4, 0, 4)  # confident, never right
+    assert policy.drafter.acceptance([0.95])[0] < before / 4
     assert policy.verify_length([0.95] * 7) == 1
 
 
@@ -422,9 +433,9 @@ def test_pending_context_rows_are_priced_into_a_draft():
     pass: at a price per row, enough of them make a draft that would pay not pay."""
     priced = CostCurve(CPU.verify_s, CPU.draft_s, context_row_s=0.05)
     policy = _policy(0.6, costs=priced, strength=8)
-    assert policy.plan(None, 0.0, True, pending_rows=1)[0] == "dflash"
-    assert policy.plan(None, 0.0, True, pending_rows=200) == (None, 1)
-    assert policy.plan(None, 0.0, True, pending_rows=1)[0] == "dflash"  # fewer rows: decided afresh
+    assert policy.choose([_drafter(pending=1)])[0].name == "drafter"
+    assert policy.choose([_drafter(pending=200)]) == (None, 1)
+    assert policy.choose([_drafter(pending=1)])[0].name == "drafter"  # fewer rows: decided afresh
 
 
 def test_the_curve_times_lengths_in_rounds_and_prices_padded_lengths_alike():

@@ -22,6 +22,8 @@ class Seq:
 
 
 class Target:
+    copies_prefix = True
+
     def __init__(self, row_bytes: int = 10):
         self.row_bytes, self.copies = row_bytes, []
 

@@ -26,7 +26,7 @@ def test_generate_equals_start_then_steps(tiny_engine, block_size, monkeypatch):
     # request does not use, and the suffix proposer's lookup price (a running mean of timed
     # lookups), not re-timed here. So both runs make the same choices, step for step (the
     # output is the same regardless).
-    monkeypatch.setattr(tiny_engine.suffix.price, "add", lambda seconds: None)
+    monkeypatch.setattr(tiny_engine.proposer("suffix").price, "add", lambda seconds: None)
     req = GenerationRequest(input_ids=[5, 6, 7], max_new_tokens=30, block_size=block_size, seed=1)
     whole = tiny_engine.generate(req)
     state = tiny_engine.start(req)

@@ -43,12 +43,12 @@ def test_the_proposer_continues_the_longest_earlier_match(tiny_engine):
     from dflash.engine.proposers.suffix import NAME
 
     state = tiny_engine.admit(GenerationRequest(input_ids=LOOP + [5, 6], max_new_tokens=20, proposers=("suffix",)))
-    draft = tiny_engine.suffix.propose([(state, 6)])[0]
+    draft = tiny_engine.proposer("suffix").propose([(state, 6)])[0]
     assert draft.tokens.tolist() == [7, 8, 9, 10, 11] and draft.probs is None
     assert all(0 < c < 1 for c in draft.confidence)
     assert all(a < b for a, b in zip(draft.confidence, draft.confidence[1:]))
     state.output_ids.extend([7, 8, 42, 43])  # committed since: the new tokens are indexed before the next lookup
-    draft = tiny_engine.suffix.propose([(state, 4)])[0]
+    draft = tiny_engine.proposer("suffix").propose([(state, 4)])[0]
     assert state.proposals[NAME].indexed == state.length
     assert draft.tokens.tolist() == []  # "42, 43" never occurred before
     tiny_engine.release(state)
@@ -84,7 +84,7 @@ def test_the_workload_memory_drafts_the_next_answer_and_a_restart_rebuilds_it(ti
     assert _suffix(second)["accepted"] > _suffix(first)["accepted"] + 10
     assert second.stats.num_steps < first.stats.num_steps / 2
     tiny_engine.workloads.clear()  # a restarted worker: no memory, no calibration
-    tiny_engine.suffix.pools.clear()
+    tiny_engine.proposer("suffix").pools.clear()
     with pytest.raises(DFlashError) as err:
         _gen(tiny_engine, prompt, workload="t-memory")
     assert err.value.code == "need_history"
@@ -125,7 +125,7 @@ def test_a_chains_first_token_is_chosen_again_with_the_heads_probabilities(tiny_
 
     ambiguous = [1, 5, 6, 7, 8, 30, 31, 32, 2, 5, 6, 7, 8, 30, 31, 32, 4, 5, 6, 7, 8, 40, 41, 42, 9, 5, 6, 7, 8]
     state = tiny_engine.admit(GenerationRequest(input_ids=ambiguous, max_new_tokens=20, proposers=("suffix",)))
-    draft = tiny_engine.suffix.propose([(state, 5)])[0]
+    draft = tiny_engine.proposer("suffix").propose([(state, 5)])[0]
     assert draft.tokens.tolist() == [30, 31, 32, 2]  # two of three occurrences (then a tie: 2 < 4)
     assert SuffixProposer.choices(state).tolist() == [30, 40]
     again = SuffixProposer.rechoose(state, np.array([0.02, 0.95]))
@@ -136,7 +136,7 @@ def test_a_chains_first_token_is_chosen_again_with_the_heads_probabilities(tiny_
     assert kept.tokens.tolist() == [30, 31, 32, 2] and kept.confidence[1:] == draft.confidence[1:]
     tiny_engine.release(state)
     agree = tiny_engine.admit(GenerationRequest(input_ids=LOOP + [5, 6], max_new_tokens=20, proposers=("suffix",)))
-    tiny_engine.suffix.propose([(agree, 4)])
+    tiny_engine.proposer("suffix").propose([(agree, 4)])
     assert SuffixProposer.choices(agree) is None
     tiny_engine.release(agree)
 
@@ -236,12 +236,12 @@ def test_a_members_memory_never_feeds_another_members_proposals(roles, sql_worke
         return scalar(su, "SELECT count(*) FROM dflash.workload_history(NULL, %s)", role)
 
     engine.workloads.clear()
-    engine.suffix.pools.clear()
+    engine.proposer("suffix").pools.clear()
     before = rows_of(ALICE)
     assert _suffix_accepted(alice) > alice_calls[0] + 10
     assert len(engine.workloads.get(f"role:{ALICE}").docs) == before + 1  # her rows, then this answer
     engine.workloads.clear()
-    engine.suffix.pools.clear()
+    engine.proposer("suffix").pools.clear()
     before = rows_of(BOB)
     assert before < rows_of(ALICE)
     _suffix_accepted(bob)

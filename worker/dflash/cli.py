@@ -378,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(p)
     p.set_defaults(func=cmd_bench)
 
-    from dflash.engine.knobs import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
+    from dflash.engine.knobs import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_STEP_TOKENS
     from dflash.serve.protocol import DEFAULT_MAX_FRAME, DEFAULT_SOCKET
 
     p = sub.add_parser("serve", help="run the worker: load the models once, serve requests on a Unix socket")
@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket", default=DEFAULT_SOCKET, help=f"socket path (default {DEFAULT_SOCKET})")
     p.add_argument("--embedder", help="sentence-embedding model folder (default: all-MiniLM-L6-v2 from PyPI)")
     p.add_argument("--no-embedder", action="store_true", help="serve without an embedding model")
-    p.add_argument("--max-queue", type=int, default=64, help="queued requests before answering 'busy'")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="queued requests before answering 'busy'")
     p.add_argument("--max-active", type=int, default=DEFAULT_MAX_BATCH,
                    help=f"generations served by each engine step, in one batched forward (default {DEFAULT_MAX_BATCH})")
     p.add_argument("--step-tokens", type=int, default=DEFAULT_STEP_TOKENS,

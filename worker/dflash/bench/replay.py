@@ -27,9 +27,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from dflash.chat import chat_prompt_ids
+from dflash.engine.calibration import PointMass
 from dflash.engine.costs import CostCurve
-from dflash.engine.knobs import PolicyConfig
-from dflash.engine.policy import BlockPolicy, Prior
+from dflash.engine.knobs import SpeculativeConfig
+from dflash.engine.policy import BlockPolicy
+from dflash.engine.proposers.protocol import Offer, RunningPrice
 from dflash.engine.proposers.suffix import NAME, SuffixProposer
 from dflash.engine.workloads import WorkloadMemory
 
@@ -38,7 +40,7 @@ WORKLOAD = "replay"
 
 def replay_suffix(prompts: list[list[int]], outputs: list[list[int]], verify_s: list[float],
                   timings: list[tuple[float, float]] | None = None, max_new: int = 128,
-                  cfg: PolicyConfig | None = None) -> dict:
+                  cfg: SpeculativeConfig | None = None) -> dict:
     """The `suffix` method's steps over `prompts` in order as one workload, each request's
     output being plain decoding's greedy one (`outputs`), priced by `verify_s[L-1]`: its
     decoding steps (the first token comes with the prefill, as in the engine), τ,
@@ -47,12 +49,12 @@ def replay_suffix(prompts: list[list[int]], outputs: list[list[int]], verify_s: 
     prompt (as dflash.bench.ceiling does), else the former."""
     if len(prompts) != len(outputs) or (timings is not None and len(timings) != len(outputs)):
         raise ValueError("one output (and one timing) per prompt")
-    cfg = cfg or PolicyConfig()
+    cfg = cfg or SpeculativeConfig()
     curve = CostCurve(list(verify_s), [0.0] * len(verify_s))
     max_block = curve.max_block
     memory = WorkloadMemory()
     memory.load(WORKLOAD, [])
-    proposer = SuffixProposer(memory, cfg.calibration_bins)
+    proposer = SuffixProposer(memory, cfg)
     tokens = steps = 0
     plain = replayed = 0.0
     whole = [0.0, 0.0]
@@ -76,30 +78,30 @@ def replay_suffix(prompts: list[list[int]], outputs: list[list[int]], verify_s: 
             "speedup": whole[0] / whole[1] if timings is not None and whole[1] else decode}
 
 
-def _request(proposer: SuffixProposer, curve: CostCurve, cfg: PolicyConfig, prompt: list[int], output: list[int],
+def _request(proposer: SuffixProposer, curve: CostCurve, cfg: SpeculativeConfig, prompt: list[int], output: list[int],
              max_new: int, max_block: int) -> tuple[float, int]:
     """(seconds, steps) of one request's decoding steps; its first token came with the prefill."""
     state = SimpleNamespace(prompt_ids=prompt, output_ids=output[:1], workload=WORKLOAD, proposals={})
     state.proposals[NAME] = proposer.start(state)
-    policy = BlockPolicy(curve, max_block, Prior.default(max_block - 1, cfg), cfg,
-                         proposer.prior(WORKLOAD, cfg.max_prior_strength))
+    policy = BlockPolicy(curve, max_block, cfg,
+                         {NAME: PointMass(cfg, max_block - 1, proposer.prior(WORKLOAD, cfg.max_prior_strength))})
+    free = RunningPrice(0.0)  # no lookup price (the engine adds its measured one): the same inputs replay the same
     cost, steps = 0.0, 0
     while len(state.output_ids) < len(output):
         i = len(state.output_ids)
         most = min(max_new - i, policy.max_block)
         chain = proposer.propose([(state, most)])[0] if most > 1 else None
         policy.price(curve.solo())
-        # No lookup price (the engine adds its measured one): the same inputs replay the same.
-        who, n = policy.plan(chain.confidence if chain is not None and len(chain.tokens) else None, 0.0, False, 0)
-        drafts = chain.tokens[: n - 1].tolist() if who == NAME else []
+        chosen, n = policy.choose([Offer(NAME, proposer, chain, free)] if chain is not None and len(chain.tokens) else [])
+        drafts = chain.tokens[: n - 1].tolist() if chosen is not None else []
         kept = 0
         while kept < len(drafts) and i + kept < len(output) and drafts[kept] == output[i + kept]:
             kept += 1
-        if who == NAME:
-            policy.observe_suffix(chain.confidence, len(drafts) + 1, kept, 0.0)
+        if chosen is not None:
+            policy.observe(chosen, chain.confidence, len(drafts) + 1, kept, n)
             proposer.learn(WORKLOAD, chain.confidence, len(drafts) + 1, kept)
         else:
-            policy.observe([], 1, 0, 1)
+            policy.observe(None, [], 1, 0, 1)
         state.output_ids = output[: i + kept + 1]
         cost += curve.verify_s[len(drafts)]
         steps += 1

@@ -372,7 +372,7 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
                 timings = [(s.wall_s, s.prefill_s) for s in samples["ar"]]
                 r["suffix_ceiling"] = suffix_ceiling(prompts, outputs["ar"], engine.cost_curve.verify_s, timings)
                 r["suffix_replay"] = replay_suffix(prompts, outputs["ar"], engine.cost_curve.verify_s, timings,
-                                                   max_new, getattr(engine, "policy_config", None))
+                                                   max_new, getattr(engine, "config", None))
     log.close()
     if peer is not None:
         peer.close()

@@ -269,6 +269,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def probe_prompt(target, n: int) -> list[int]:
+    """The tokens every timing here caches before it times a step: n ids counting up from
+    100 (past the special tokens), wrapped at the vocabulary."""
+    return [(100 + i) % target.vocab_size for i in range(n)]
+
+
 def _best_s(fn, device, repeats: int = REPEATS) -> float:
     """The fastest of a few runs: interference from other work only ever adds time."""
     times = []
@@ -298,7 +304,10 @@ def bench_context(target, wanted: int, rows: int) -> int:
 
 class _StepBench:
     """`seqs` requests whose target and drafter caches hold a short prompt, and the two timed
-    parts of a step for all of them at once."""
+    parts of a step for all of them at once (an engine without a drafter: the verify alone,
+    every draft priced at nothing)."""
+
+    drafts = True  # whether there is a drafter to time
 
     def __init__(self, engine, seqs: int = 1, context: int = CONTEXT_TOKENS):
         from dflash.engine.target import TargetRow
@@ -307,16 +316,19 @@ class _StepBench:
         self.device, self.block_size = target.device, engine.block_size
         self.target, self.layer_ids = target, engine.layer_ids
         self.context = context = bench_context(target, context, self.block_size)
-        self.prompt = (torch.arange(100, 100 + context) % target.vocab_size).tolist()
+        self.prompt = probe_prompt(target, context)
         self.seqs = [target.new_sequence() for _ in range(seqs)]
         out = target.forward_batch([TargetRow(q, self.prompt, 1) for q in self.seqs], self.layer_ids)
         self.feats = out.features[0]
         self.proposer = engine.dflash
+        self.row = TargetRow
+        self.drafts = self.proposer is not None
+        if not self.drafts:
+            return
         self.states = [self.proposer.start(None) for _ in range(seqs)]
         # The drafter's cache holds the context (all rows but the anchor's).
         self.proposer.draft_logits([(ps, self.feats[:-2], self.prompt[-2], context - 2, 1)
                                     for ps in self.states])
-        self.row = TargetRow
 
     def verify(self, L: int) -> None:
         ids = self.prompt[:L]
@@ -328,6 +340,8 @@ class _StepBench:
     def draft(self, D: int, context_rows: int = 1) -> None:
         """A draft of D after `context_rows` rows of new context features (the drafter's cache
         holds the rest of the prompt; the rows are written again each time)."""
+        if not self.drafts:
+            return
         committed = [ps.cache.length for ps in self.states]
         for ps in self.states:
             ps.cache.length = self.context - 1 - context_rows
@@ -387,20 +401,21 @@ def _curve(bench: _StepBench, lengths, repeats: int) -> tuple[list[float], list[
     B = bench.block_size
     lengths = [n for n in lengths if n < B] + [B]
     verify_at = {L: float("inf") for L in lengths}
-    draft_at = {L: float("inf") for L in lengths if L > 1}
+    draft_at = {L: float("inf") for L in lengths if L > 1 and bench.drafts}
     both_at = dict(draft_at)  # a draft and the verify after it
     for r in range(repeats):
         for L in lengths if r % 2 == 0 else lengths[::-1]:
             bench.verify(L)  # settle: the call timed follows one of its own length
             verify_at[L] = min(verify_at[L], _best_s(lambda: bench.verify(L), bench.device, 1))
-            if L > 1:
+            if L in draft_at:
                 draft_at[L] = min(draft_at[L], _best_s(lambda: bench.draft(L), bench.device, 1))
                 both_at[L] = min(both_at[L], _best_s(lambda: (bench.draft(L), bench.verify(L)), bench.device, 1))
     padded = [L for L in lengths if L <= bench.target.min_rows]
     if padded:
         fastest = min(verify_at[L] for L in padded)
         verify_at.update({L: fastest for L in padded})
-    drafted = {1: 0.0, **{L: _drafted(both_at[L], verify_at[L], draft_at[L]) for L in draft_at}}
+    drafted = {L: 0.0 for L in lengths}  # no drafter: nothing to pay
+    drafted.update({L: _drafted(both_at[L], verify_at[L], draft_at[L]) for L in draft_at})
     return _non_decreasing(_interpolate(verify_at, B)), [0.0] + _non_decreasing(_interpolate(drafted, B)[1:])
 
 
@@ -411,7 +426,7 @@ def measure(engine, max_batch: int = 1) -> CostCurve:
     bench = _StepBench(engine)
     bench.warm_up()
     verify_s, draft_s = _curve(bench, MEASURED, REPEATS)
-    context_row_s = bench.context_row_s() if engine.block_size > 1 else 0.0
+    context_row_s = bench.context_row_s() if engine.block_size > 1 and engine.dflash is not None else 0.0
     bench.close()
     batch_verify, batch_draft = {}, {}
     for seqs in [b for b in BATCHES if b < max_batch] + ([max_batch] if max_batch > 1 else []):
@@ -454,7 +469,7 @@ def spot_check(engine, curve: CostCurve) -> dict:
     checks = {}
     for L in sorted({min(n, B) for n in SPOT_LENGTHS}):
         checks[f"verify_{L}"] = (bench.verify_s(L), curve.verify_s[L - 1])
-    if B > 1:
+    if B > 1 and bench.drafts:
         checks[f"draft_{B}"] = (bench.drafted_s(B), curve.draft_s[B - 1])
     bench.close()
     if curve.batch_verify_s:
@@ -477,9 +492,10 @@ def spot_prices(engine, lengths=(1, 2, 4), repeats: int = REPEATS) -> dict:
     bench = _StepBench(engine, context=TYPICAL_CONTEXT)
     bench.verify(max(lengths)), bench.draft(max(lengths))  # warm up the largest shapes
     verify = {str(L): bench.verify_s(L, repeats) for L in lengths}
-    draft = {str(L): bench.drafted_s(L, repeats, verify[str(L)]) for L in lengths if 1 < L <= engine.block_size}
+    draft = {str(L): bench.drafted_s(L, repeats, verify[str(L)]) if bench.drafts else 0.0
+             for L in lengths if 1 < L <= engine.block_size}
     bench.close()
-    target, ids = engine.target, [(100 + i) % engine.target.vocab_size for i in range(PREFILL_TOKENS)]
+    target, ids = engine.target, probe_prompt(engine.target, PREFILL_TOKENS)
 
     def prefill():
         seq = target.new_sequence()

@@ -1,5 +1,5 @@
-"""Tunable defaults of the engine: block length auto's (PolicyConfig) and the scheduler's.
-Torch-free, so the CLI can show them without loading a model."""
+"""Tunable defaults of the engine: every knob of speculation (SpeculativeConfig) and the
+scheduler's. Torch-free, so the CLI can show them without loading a model."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ from dataclasses import dataclass
 # and the tokens one step may take while others decode (a prefill chunk gets what is left).
 DEFAULT_MAX_BATCH = 16
 DEFAULT_STEP_TOKENS = 128
+DEFAULT_MAX_QUEUE = 64  # requests waiting for the engine thread before the worker answers "busy"
+# Finished generations remembered: the engine's recent counts (the prior of requests that
+# bring none), and those the worker's recent τ pools.
+RECENT_PRIOR = 200
+RECENT_TAU = 100
 # The prefix cache (dflash.engine.prefix_cache): K/V memory its kept sequences may hold in
 # all, and the fewest leading prompt tokens worth copying instead of prefilling.
 PREFIX_CACHE_MB = 128.0
@@ -22,9 +27,12 @@ DRAFT_DTYPE_NAMES = (*DTYPE_NAMES, "int8")
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
-    """Knobs of block length `auto` (see policy.py); one place for their defaults."""
+class SpeculativeConfig:
+    """Every knob of speculation: block length `auto` (policy.py), the calibration of every
+    proposer's confidence (calibration.py); one place for their defaults."""
 
+    # The longest verify (anchor included) of an engine without a drafter (with one: its block size).
+    max_block: int = 16
     default_acceptance: float = 0.5  # a priori chance the first draft is kept (no workload prior)
     default_decay: float = 0.85  # ... and its decay per later position
     prior_strength: float = 2.0  # steps of evidence the default prior is worth
@@ -53,9 +61,10 @@ class PolicyConfig:
     # a request plans its drafter's probes over (Engine.steps_expected).
     typical_after: int = 8
     warmup_outcomes: int = 4  # drafted steps verify everything until this many outcomes are calibrated
-    # The suffix proposer's chains: before any outcome, a chain position is trusted at this
-    # share of its match-count confidence (a count of one earlier occurrence says little),
-    # with suffix_strength pseudo-outcomes; the engine's pooled outcomes of recent requests
-    # (at most max_prior_strength of them per bin) start each new request's calibration.
-    suffix_trust: float = 0.5
-    suffix_strength: float = 4.0
+    # Point masses (drafts made before the choice: the suffix proposer's chains, the head's
+    # guesses): before any outcome, a position is trusted at this share of its confidence (a
+    # count of one earlier occurrence says little), with point_mass_strength pseudo-outcomes;
+    # a proposer's pooled outcomes of recent requests (at most max_prior_strength of them per
+    # bin) start each new request's calibration.
+    point_mass_trust: float = 0.5
+    point_mass_strength: float = 4.0

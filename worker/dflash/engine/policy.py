@@ -1,9 +1,17 @@
-"""Block length `auto`: per step, the draft and verify lengths that pay most on this device.
+"""Block length `auto`: per step, which offer to verify and how far, at this step's prices.
 
-Two decisions per step, each maximising expected committed tokens minus their price at
-the going rate (Dinkelbach's form of maximising tokens per second):
+Every proposer of a request may offer a draft each step (dflash.engine.proposers.protocol):
+a ready one (its tokens and confidences known: a suffix chain, a guess, a forced token) or a
+deferred one (a model drafter, which drafts only when chosen). The policy is a chooser over
+those offers at the batch's prices, plus the probe schedule of the request's model drafter.
+It never names a proposer: each offer's name keys the request's calibration of it
+(dflash.engine.calibration). Each decision maximises expected committed tokens minus their
+price at the going rate (Dinkelbach's form of maximising tokens per second):
 
-1. Before drafting, the draft length D (1 = no drafter forward: a plain step). The value
+0. A ready offer is worth its best verify length L: its confidences calibrated on the
+   request's outcomes of that proposer, its price (a lookup) already paid.
+1. A deferred offer, before drafting, is worth its best draft length D (1 = no drafter
+   forward: a plain step). The value
    of drafting D is estimated by replaying the request's recent drafted steps: for each
    remembered vector of draft confidences, what the best verify length would have earned
    under today's calibration, minus the drafter's price for D. With no history yet, the
@@ -30,11 +38,11 @@ draft *distributions*' peaks, never on the current step's sampled drafts or targ
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
-from dflash.engine.knobs import PolicyConfig
+from dflash.engine.calibration import Drafter, best, shrink
 from dflash.engine.costs import CostCurve, Prices
+from dflash.engine.knobs import SpeculativeConfig
 
 
 @dataclass
@@ -45,7 +53,7 @@ class Prior:
     judged: list[float]
 
     @classmethod
-    def from_counts(cls, accepted, judged, width: int, cfg: PolicyConfig) -> "Prior":
+    def from_counts(cls, accepted, judged, width: int, cfg: SpeculativeConfig) -> "Prior":
         """Pooled counts of earlier generations, shrunk so they never outweigh more than
         `cfg.max_prior_strength` steps of this request; positions nobody judged fall back to
         the default prior."""
@@ -55,13 +63,12 @@ class Prior:
             n, k = float(judged[i] or 0), float(accepted[i] or 0)
             if n <= 0:
                 continue
-            k = min(max(k, 0.0), n)
-            scale = min(1.0, cfg.max_prior_strength / n)
-            acc[i], jud[i] = k * scale + acc[i] * 0.25, n * scale + jud[i] * 0.25
+            (k,), (n,) = shrink([min(max(k, 0.0), n)], [n], cfg.max_prior_strength)
+            acc[i], jud[i] = k + acc[i] * 0.25, n + jud[i] * 0.25
         return cls(acc, jud)
 
     @classmethod
-    def default(cls, width: int, cfg: PolicyConfig) -> "Prior":
+    def default(cls, width: int, cfg: SpeculativeConfig) -> "Prior":
         rates = [cfg.default_acceptance * cfg.default_decay**i for i in range(width)]
         return cls([r * cfg.prior_strength for r in rates], [cfg.prior_strength] * width)
 
@@ -80,27 +87,28 @@ def expected_tokens(acceptance: list[float], verify_len: int) -> float:
 
 
 class BlockPolicy:
-    """The per-request state of `auto`: counts, calibration, recent confidences, probing.
+    """The per-request state of `auto`: its calibration of each proposer's offers
+    (`estimates`, by offer name: calibration.PointMass or calibration.Drafter, at most one
+    of the latter: the request's model drafter), what it has committed and spent, and the
+    drafter's probe schedule.
 
-    Prices come with every step (`price(prices)` before deciding): a request stepped alone
+    Prices come with every step (`price(prices)` before `choose`): a request stepped alone
     pays the device's single-request curve; one of a batch pays its share of the batch's
     forward plus what its extra rows add, and time is worth the batch's rate, so
     speculation backs off under load where verifying extra rows no longer pays."""
 
-    def __init__(self, costs: CostCurve, max_block: int, prior: Prior, cfg: PolicyConfig,
-                 suffix_prior: tuple[list[float], list[float]] | None = None):
+    def __init__(self, costs: CostCurve, max_block: int, cfg: SpeculativeConfig, estimates: dict | None = None):
         self.cfg = cfg
         self.prices: Prices = costs.solo()
         self.max_block = min(max_block, costs.max_block)
-        width = max(self.max_block - 1, 0)
-        self.acc = [0] * width
-        self.judged = [0] * width
-        self.prior = prior
-        self.cal_acc = [0] * cfg.calibration_bins
-        self.cal_n = [0] * cfg.calibration_bins
-        self.history: deque[list[float]] = deque(maxlen=cfg.history)
+        self.estimates = dict(estimates or {})
+        deferred = [name for name, e in self.estimates.items() if e.deferred]
+        if len(deferred) > 1:
+            raise ValueError(f"one model drafter per request, got {deferred}")
+        self.drafter: Drafter | None = self.estimates[deferred[0]] if deferred else None
         self.tokens, self.cost = 0.0, 0.0  # what the request has committed and spent so far
-        self.plain_run = 0  # consecutive plain steps
+        # The drafter's probe schedule.
+        self.plain_run = 0  # consecutive steps it did not draft
         self.probe_every = cfg.probe_after
         self.probing = False
         # The rate at which "do not draft" was last decided (None: decide afresh). A plain
@@ -110,22 +118,25 @@ class BlockPolicy:
         self._plain_at_rate: float | None = None
         self._plain_prices: Prices | None = None
         self._draft_values: list[float] | None = None  # what the last draft_length() weighed
+        self._excess_for: Prices | None = None
+        self._excess: float | None = None
         self.pending_rows = 0  # target feature rows the drafter has not seen (its next pass takes them)
-        # The suffix proposer's chains (point masses, priced by their lookup) are calibrated
-        # on their own outcomes by their match-count confidence; they never enter the
-        # drafter's counts or calibration.
-        self.s_cal_acc = [0] * cfg.calibration_bins
-        self.s_cal_n = [0] * cfg.calibration_bins
-        self.s_prior = suffix_prior or ([0.0] * cfg.calibration_bins, [0.0] * cfg.calibration_bins)
-        # The next-token head's one-token guesses (proposers/head.py), calibrated the same way
-        # on their own outcomes by their softmax peak.
-        self.g_cal_acc = [0] * cfg.calibration_bins
-        self.g_cal_n = [0] * cfg.calibration_bins
-        self.g_prior = ([0.0] * cfg.calibration_bins, [0.0] * cfg.calibration_bins)  # no pooled outcomes
-        if self.max_block > 1 and prior.judged and prior.judged[0] >= cfg.informed_prior_steps:
-            values = self.draft_values()
-            if max(range(len(values)), key=lambda i: (values[i], -i)) == 0:
+        prior = self.drafter.prior if self.drafter is not None else None
+        if self.max_block > 1 and prior is not None and prior.judged and prior.judged[0] >= cfg.informed_prior_steps:
+            if best(self.draft_values()) == 0:
                 self.probe_every = cfg.informed_gap
+
+    @classmethod
+    def drafting(cls, costs: CostCurve, max_block: int, prior: Prior, cfg: SpeculativeConfig,
+                 name: str = "drafter") -> "BlockPolicy":
+        """A policy for a request whose only proposer is a model drafter (offers named `name`)."""
+        width = max(min(max_block, costs.max_block) - 1, 0)
+        return cls(costs, max_block, cfg, {name: Drafter(cfg, width, prior)})
+
+    def drop(self, name: str) -> None:
+        """The request goes on without this proposer."""
+        if self.estimates.pop(name, None) is self.drafter:
+            self.drafter = None
 
     # --- estimates -------------------------------------------------------------------
 
@@ -139,36 +150,6 @@ class BlockPolicy:
         request already achieves when that is better."""
         plain = self.prices.plain_rate
         return max(plain, self.tokens / self.cost) if self.cost > 0 else plain
-
-    def position_rates(self) -> list[float]:
-        """Conditional acceptance per draft position from this request's outcomes and the
-        prior. A position this request never judged takes the estimate of the one before it
-        when that one has outcomes: a drafter kept at positions 1-4 is likely kept at 5."""
-        rates = []
-        for i, (a, j, pa, pj) in enumerate(zip(self.acc, self.judged, self.prior.accepted, self.prior.judged)):
-            if j == 0 and i > 0 and self.judged[i - 1] > 0:
-                pa, pj = rates[-1] * pj, pj
-            rates.append((a + pa) / (j + pj) if j + pj > 0 else 0.0)
-        return rates
-
-    def _bin(self, confidence: float) -> int:
-        return min(int(confidence * self.cfg.calibration_bins), self.cfg.calibration_bins - 1)
-
-    def acceptance(self, confidences: list[float], rates: list[float] | None = None) -> list[float]:
-        """Conditional acceptance per draft position: each position's confidence calibrated by
-        this request's outcomes at similar confidence. Before any outcome in its bin, a
-        weighted geometric mean of the confidence and the position's acceptance so far, the
-        confidence weighing most; positions with no confidence: the latter alone."""
-        rates = self.position_rates() if rates is None else rates
-        w, k, bins = self.cfg.confidence_weight, self.cfg.calibration_strength, self.cfg.calibration_bins
-        cal_acc, cal_n = self.cal_acc, self.cal_n
-        out = list(rates)
-        for i, c in enumerate(confidences[: len(rates)]):
-            b = min(int(c * bins), bins - 1)
-            h = rates[i]
-            a_priori = c**w * h ** (1 - w) if c > 0 and h > 0 else 0.0
-            out[i] = (cal_acc[b] + k * a_priori) / (cal_n[b] + k)
-        return out
 
     def _verify_values(self, acceptance: list[float], rate: float) -> list[float]:
         """For L = 1..max_block: expected tokens of verifying L, minus its price at `rate`."""
@@ -184,22 +165,27 @@ class BlockPolicy:
     def _best_verify(self, acceptance: list[float], draft_len: int) -> tuple[int, float]:
         """(L, value) maximising expected tokens - rate * verify price, L in 1..draft_len."""
         values = self._verify_values(acceptance, self.rate)[:draft_len]
-        best = max(range(len(values)), key=lambda i: (values[i], -i))
-        return best + 1, values[best]
+        i = best(values)
+        return i + 1, values[i]
+
+    def ready_verify(self, name: str, confidences: list[float]) -> tuple[int, float]:
+        """(L, value) for a ready draft of offer `name` with these confidences, calibrated by
+        this request's outcomes of that proposer's drafts at similar confidence."""
+        acc = self.estimates[name].acceptance(confidences[: self.max_block - 1])
+        return self._best_verify(acc + [0.0] * (self.max_block - 1 - len(acc)), len(acc) + 1)
 
     def draft_values(self) -> list[float]:
         """Expected net tokens of a step for each draft length D = 1..max_block (index D - 1):
         per remembered confidence vector the best verify length up to D (a running maximum
         over L, so every D costs one pass), averaged, minus the drafter's price for D."""
         rate = self.rate
-        rates = self.position_rates()
-        vectors = list(self.history) or [[]]
+        vectors, rates = self.drafter.vectors()
         earned = [0.0] * self.max_block
         for vec in vectors:
-            best = float("-inf")
-            for i, value in enumerate(self._verify_values(self.acceptance(vec, rates), rate)):
-                best = max(best, value)
-                earned[i] += best
+            top = float("-inf")
+            for i, value in enumerate(self._verify_values(self.drafter.acceptance(vec, rates), rate)):
+                top = max(top, value)
+                earned[i] += top
         n = len(vectors)
         context = self.pending_rows * self.prices.context_row_s
         return [earned[0] / n] + [earned[D - 1] / n - rate * (self.prices.draft_s[D - 1] + context)
@@ -218,7 +204,7 @@ class BlockPolicy:
         (`pending_rows`: at a request's first probe its prompt and every token so far),
         which in the loop cost more than the short draft itself: priced without it, probes
         took ~4 % of a request's time instead of 1 % (docs/benchmarks.md, Zen 4)."""
-        if getattr(self, "_excess_for", None) is not prices:
+        if self._excess_for is not prices:
             self._excess_for, self._excess = prices, self._probe_excess(prices)
         if self._excess is None:
             return float("inf")
@@ -242,10 +228,11 @@ class BlockPolicy:
         `pending_rows` target rows it has not seen (the prompt, before the first step). Until
         the drafter itself has an outcome, nothing raises the value of drafting: the going
         rate never drops below plain decoding's and the pending rows only grow, so if plain
-        beats every draft length now and the probe schedule (suffix steps count as plain
-        ones) puts no probe within `steps`, the drafter never runs, and the request can do
-        without it (and without the target's features for it). Solo prices only: in a batch
-        a request's share of a step is smaller, so its drafts cost relatively more still."""
+        beats every draft length now and the probe schedule (steps other proposers draft
+        count as plain ones) puts no probe within `steps`, the drafter never runs, and the
+        request can do without it (and without the target's features for it). Solo prices
+        only: in a batch a request's share of a step is smaller, so its drafts cost
+        relatively more still."""
         if self.max_block < 2:
             return True
         self.pending_rows = pending_rows
@@ -259,7 +246,7 @@ class BlockPolicy:
     # --- decisions ---------------------------------------------------------------------
 
     def draft_length(self) -> int:
-        """D for the next step: 1 means a plain step with no drafter forward."""
+        """D for the drafter's next step: 1 means a plain step with no drafter forward."""
         self.probing = False
         if self.max_block < 2:
             return 1
@@ -269,111 +256,71 @@ class BlockPolicy:
                 and self.plain_run < gap):
             return 1
         values = self._draft_values = self.draft_values()
-        best = max(range(len(values)), key=lambda i: (values[i], -i)) + 1
-        self._plain_at_rate = rate if best == 1 else None
+        D = best(values) + 1
+        self._plain_at_rate = rate if D == 1 else None
         self._plain_prices = self.prices
-        if best == 1 and self.plain_run >= gap:
-            best = min(self.cfg.probe_len, self.max_block)
+        if D == 1 and self.plain_run >= gap:
+            D = min(self.cfg.probe_len, self.max_block)
         # A probe, or a drafted step before the calibration has seen anything, verifies all
         # it drafted: without outcomes at low confidence it could never learn that low
         # confidence is sometimes right (a drafter whose peaks are flat but correct).
-        self.probing = best > 1 and (self.plain_run >= gap or sum(self.cal_n) < self.cfg.warmup_outcomes)
-        return best
+        self.probing = D > 1 and (self.plain_run >= gap or self.drafter.calibration.outcomes < self.cfg.warmup_outcomes)
+        return D
 
-    def plan(self, suffix: list[float] | None, suffix_s: float, dflash: bool = True,
-             pending_rows: int = 0, guess: list[float] | None = None) -> tuple[str | None, int]:
-        """Who drafts this step: ("suffix", L) verifies L - 1 tokens of the suffix proposer's
-        chain (whose per-position confidences are `suffix`, at a lookup price of `suffix_s`
-        seconds, already paid); ("head", 2) verifies the next-token head's guess (its
-        confidence `guess`, asked only where there is no chain); ("dflash", D) runs the
-        drafter over D positions (L chosen after, from its confidence); (None, 1) is a plain
-        step. The most expected net tokens
-        wins, except that the drafter's due probes still run (steps the suffix proposer
-        drafts count as plain ones for its schedule), so a drafter that would do better is
-        found even where the suffix proposer always has something to offer."""
+    def choose(self, offers: list) -> tuple[object | None, int]:
+        """The offer to take this step and its length (None, 1: a plain step). A ready offer
+        comes with its verify length; the deferred one (the drafter's) with the positions to
+        draft, its verify length chosen after (verify_length). The most expected net tokens
+        wins (the earlier offer on a tie), except that the drafter's due probes still run
+        (steps other offers win count as plain ones for its schedule), so a drafter that
+        would do better is found even where a free proposer always has something to offer."""
         self._draft_values = None
-        if pending_rows < self.pending_rows:  # a cheaper drafter pass: decide afresh (a dearer one keeps "plain")
-            self._plain_at_rate = None
-        self.pending_rows = pending_rows
-        best, value = (None, 1), 1.0 - self.rate * self.prices.verify_s[0]
-        if suffix:
-            L, v = self.suffix_verify(suffix)
+        chosen, n, value = None, 1, 1.0 - self.rate * self.prices.verify_s[0]
+        deferred = None
+        for offer in offers:
+            if offer.deferred:
+                deferred = offer
+                continue
+            L, v = self.ready_verify(offer.name, offer.draft.confidence)
             if L > 1 and v > value:
-                best, value = ("suffix", L), v
-        elif guess:
-            L, v = self.guess_verify(guess)
-            if L > 1 and v > value:
-                best, value = ("head", L), v
-        if dflash:
+                chosen, n, value = offer, L, v
+        if deferred is not None:
+            # a cheaper drafter pass: decide afresh (a dearer one keeps "plain")
+            if deferred.pending < self.pending_rows:
+                self._plain_at_rate = None
+            self.pending_rows = deferred.pending
             D = self.draft_length()
             # The drafter's due probe (it must learn too), the rarer the more requests share the
             # step: a probe's drafter pass delays all of them.
             due = self.probing and self.plain_run >= self.probe_gap * self.prices.batch
             if D > 1 and (due or (self._draft_values is not None and self._draft_values[D - 1] > value)):
-                best = ("dflash", D)
+                chosen, n = deferred, D
             elif D > 1:
                 self.probing = False
-        return best
-
-    def suffix_verify(self, confidences: list[float]) -> tuple[int, float]:
-        """(L, value) for a suffix chain: its confidences calibrated by this request's
-        outcomes of suffix drafts at similar confidence."""
-        return self._point_mass_verify(confidences, self.s_cal_acc, self.s_cal_n, self.s_prior)
-
-    def guess_verify(self, confidences: list[float]) -> tuple[int, float]:
-        """(L, value) for the next-token head's guess, calibrated on its own outcomes."""
-        return self._point_mass_verify(confidences, self.g_cal_acc, self.g_cal_n, self.g_prior)
-
-    def _point_mass_verify(self, confidences: list[float], cal_acc: list, cal_n: list, prior) -> tuple[int, float]:
-        cfg = self.cfg
-        k, trust = cfg.suffix_strength, cfg.suffix_trust
-        pa, pn = prior
-        acc = []
-        for c in confidences[: self.max_block - 1]:
-            b = self._bin(c)
-            acc.append((cal_acc[b] + pa[b] + k * trust * c) / (cal_n[b] + pn[b] + k))
-        values = self._verify_values(acc + [0.0] * (self.max_block - 1 - len(acc)), self.rate)[: len(acc) + 1]
-        L = max(range(len(values)), key=lambda i: (values[i], -i)) + 1
-        return L, values[L - 1]
-
-    def observe_suffix(self, confidences: list[float], verify_len: int, accepted: int, suffix_s: float) -> None:
-        """A suffix-drafted step's outcome; for the drafter's schedule it was a plain step."""
-        self._observe_point_mass(confidences, verify_len, accepted, suffix_s, self.s_cal_acc, self.s_cal_n)
-
-    def observe_guess(self, confidences: list[float], verify_len: int, accepted: int, guess_s: float) -> None:
-        """A step that verified the head's guess; for the drafter's schedule a plain step."""
-        self._observe_point_mass(confidences, verify_len, accepted, guess_s, self.g_cal_acc, self.g_cal_n)
-
-    def _observe_point_mass(self, confidences, verify_len, accepted, price_s, cal_acc, cal_n) -> None:
-        self.tokens += accepted + 1
-        self.cost += self.prices.verify_s[verify_len - 1] + price_s
-        for i in range(min(accepted + 1, verify_len - 1)):
-            b = self._bin(confidences[i])
-            cal_n[b] += 1
-            cal_acc[b] += i < accepted
-        self.plain_run += 1
+        return chosen, n
 
     def verify_length(self, confidences: list[float]) -> int:
         """L for this step, given the drafter's confidence at each drafted position."""
         if self.probing:
             return len(confidences) + 1
-        return self._best_verify(self.acceptance(confidences), len(confidences) + 1)[0]
+        return self._best_verify(self.drafter.acceptance(confidences), len(confidences) + 1)[0]
 
     # --- learning ----------------------------------------------------------------------
 
-    def observe(self, confidences: list[float], verify_len: int, accepted: int, draft_len: int) -> None:
+    def observe(self, offer, confidences: list[float], verify_len: int, accepted: int, draft_len: int) -> None:
+        """A step's outcome: `offer` (None: a plain step) verified `verify_len` tokens and kept
+        `accepted` drafts; `draft_len`: the positions its drafter computed (1: none)."""
         committed = accepted + 1
         self.tokens += committed
+        estimate = self.estimates[offer.name] if offer is not None else None
+        if estimate is not None and not estimate.deferred:  # for the drafter's schedule, a plain step
+            self.cost += self.prices.verify_s[verify_len - 1] + offer.price.s
+            estimate.record(confidences, verify_len, accepted, draft_len)
+            self.plain_run += 1
+            return
         self.cost += self.prices.step_s(draft_len, verify_len)
-        if draft_len > 1:
-            self.history.append(list(confidences))
-        for i in range(min(accepted + 1, verify_len - 1)):  # the positions that were judged
-            kept = i < accepted
-            self.judged[i] += 1
-            self.acc[i] += kept
-            b = self._bin(confidences[i])
-            self.cal_n[b] += 1
-            self.cal_acc[b] += kept
+        if estimate is not None:
+            estimate.record(confidences, verify_len, accepted, draft_len)
         if draft_len == 1:
             self.plain_run += 1
             return
@@ -385,14 +332,15 @@ class BlockPolicy:
             self.probe_every = self.cfg.probe_after if paid else min(self.probe_every * 2, self.cfg.probe_max_gap)
 
     def counts(self) -> dict:
-        return {"accepted": list(self.acc), "judged": list(self.judged)}
+        """The drafter's per-position counts (the workload prior of later requests)."""
+        return self.drafter.counts() if self.drafter is not None else {"accepted": [], "judged": []}
 
 
-def explain(costs: CostCurve, max_block: int, prior: Prior, cfg: PolicyConfig) -> dict:
+def explain(costs: CostCurve, max_block: int, prior: Prior, cfg: SpeculativeConfig) -> dict:
     """What the policy expects from a prior alone: per verify length the expected τ and tokens
     per second at the device's prices, and the draft length it would start with."""
-    policy = BlockPolicy(costs, max_block, prior, cfg)
-    rates = policy.position_rates()
+    policy = BlockPolicy.drafting(costs, max_block, prior, cfg)
+    rates = policy.drafter.position_rates()
     rows = []
     for L in range(1, policy.max_block + 1):
         tau = expected_tokens(rates, L)

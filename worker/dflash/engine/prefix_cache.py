@@ -69,7 +69,7 @@ class PrefixCache:
 
     @staticmethod
     def supported(target) -> bool:
-        return callable(getattr(target, "copy_prefix", None)) and callable(getattr(target, "kv_bytes", None))
+        return target.copies_prefix
 
     def reuse(self, workload: str, prompt_ids: list[int], seq, live: list[tuple[list[int], object]] = ()) -> int:
         """Copy into `seq` (nothing cached) the longest run of leading prompt tokens that a

@@ -22,7 +22,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dflash.engine.knobs import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
+from dflash.engine.core import EngineCore
+from dflash.engine.knobs import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_STEP_TOKENS
 from dflash.engine.state import DecodeState, StepResult
 from dflash.errors import DFlashError
 
@@ -70,14 +71,14 @@ class Call:
 
 
 class Scheduler:
-    def __init__(self, engine, max_batch: int = DEFAULT_MAX_BATCH, step_tokens: int = DEFAULT_STEP_TOKENS,
-                 max_queue: int = 64):
+    def __init__(self, engine: EngineCore, max_batch: int = DEFAULT_MAX_BATCH, step_tokens: int = DEFAULT_STEP_TOKENS,
+                 max_queue: int = DEFAULT_MAX_QUEUE):
         if max_batch < 1 or step_tokens < 1:
             raise DFlashError("bad_params", "max_batch and step_tokens must be >= 1")
         self.engine = engine
         # A backend that holds KV memory for a bounded number of sequences (llama.cpp) caps
         # the batch: a finished state frees its sequence at once, so the queue moves on.
-        capacity = getattr(getattr(engine, "target", None), "max_sequences", None)
+        capacity = engine.target.max_sequences
         if capacity is not None and max_batch > capacity:
             log.info("batch capped at %d: the %s backend's sequences", capacity, engine.target.backend)
             max_batch = capacity

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from dflash.engine.proposers.names import POINT_MASS
+from dflash.engine.calibration import judged
 
 
 def pooled_tau(accepted: int, steps: int) -> float | None:
@@ -57,7 +57,10 @@ class GenerationStats:
         self.accepted_per_position = self.accepted_per_position or [0] * width
         self.judged_per_position = self.judged_per_position or [0] * width
 
-    def record(self, draft_ids: list[int], accepted: int, proposer: str | None = None) -> None:
+    def record(self, draft_ids: list[int], accepted: int, proposer: str | None = None, positional: bool = True) -> None:
+        """A verified step: `proposer` drafted `draft_ids` (None: nobody) and `accepted` were
+        kept. `positional`: its outcomes join the per-position counts, which are a model
+        drafter's (block length auto's workload prior), not a point mass's."""
         self.steps.append(StepRecord(draft_ids, accepted))
         self.verify_lengths[len(draft_ids) + 1] += 1
         if proposer is not None and draft_ids:
@@ -65,11 +68,10 @@ class GenerationStats:
             c["steps"] += 1
             c["drafted"] += len(draft_ids)
             c["accepted"] += accepted
-        if proposer in POINT_MASS:
-            return  # the per-position counts are the drafter's: block length auto's workload prior
+        if not positional:
+            return
         _add_at(self.accepted_per_position, accepted)
-        # Position i is judged when it was verified and positions < i were all accepted.
-        _add_at(self.judged_per_position, min(accepted + 1, len(draft_ids)))
+        _add_at(self.judged_per_position, judged(accepted, len(draft_ids) + 1))
 
     @property
     def num_steps(self) -> int:

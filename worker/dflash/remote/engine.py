@@ -54,6 +54,8 @@ class RemoteTarget:
     backend: str  # "openai/llama.cpp" or "openai": status and the dflash.generations `backend` column
     device: str = "remote"
     dtype: None = None
+    max_sequences: int | None = None  # the endpoint batches on its own
+    selection: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -176,8 +178,17 @@ class RemoteEngine(RequestChecks):
     def drafter_version(self) -> str | None:
         return None
 
-    def in_use(self) -> RemoteDrafter:
+    def in_use(self, state=None) -> RemoteDrafter:
         return RemoteDrafter()
+
+    def status(self) -> dict:
+        """What the worker's status shows of it (EngineCore): the served model and endpoint;
+        no device, drafter, prices or memories of its own."""
+        return {"device": self.target.device, "dtype": None, "draft_dtype": None, "draft_runtime": None, "head": None,
+                "proposers": {}, "draft_vocab": None, "target_backend": self.target.backend,
+                "target_backend_choice": None, "backends": None, "endpoint": self.endpoint, "model": self.target.name,
+                "block_size": None, "cost_curve": None, "drafter_sha256": None, "workload_memory": None,
+                "prefix_cache": None}
 
     def knows_workload(self, key: str) -> bool:
         return True  # it drafts nothing from workloads: never ask a caller for their history

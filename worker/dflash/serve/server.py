@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from dflash.engine.engine import Engine, check_prior
-from dflash.engine.knobs import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
+from dflash.engine.core import EngineCore
+from dflash.engine.engine import check_prior
+from dflash.engine.knobs import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_STEP_TOKENS, RECENT_TAU
 from dflash.engine.scheduler import Call, Scheduler
 from dflash.engine.stats import pooled_tau
 from dflash.errors import DFlashError
@@ -48,10 +49,10 @@ GENERATION_OPS = ("generate", "generate_many", "generate_block")
 class Worker:
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineCore,
         embedder=None,
         socket_path: str = DEFAULT_SOCKET,
-        max_queue: int = 64,
+        max_queue: int = DEFAULT_MAX_QUEUE,
         max_active: int = DEFAULT_MAX_BATCH,
         max_frame: int = DEFAULT_MAX_FRAME,
         socket_group: str | None = None,
@@ -78,7 +79,7 @@ class Worker:
         self.started = time.monotonic()
         self.served = {op: 0 for op in OPERATIONS}
         self.tokens = 0
-        self.recent_steps: deque[tuple[int, int]] = deque(maxlen=100)  # (accepted, steps) per generation
+        self.recent_steps: deque[tuple[int, int]] = deque(maxlen=RECENT_TAU)  # (accepted, steps) per generation
         self.listener: socket.socket | None = None
         self.stopping = threading.Event()
         self.threads: list[threading.Thread] = []
@@ -327,8 +328,7 @@ class Worker:
     def model_ids(self, state=None) -> dict:
         """The models that produced a state's result (the drafter it started with), or the
         current ones."""
-        ps = state.proposals.get("dflash") if state is not None else None
-        drafter = ps.drafter if ps is not None else self.engine.in_use()
+        drafter = self.engine.in_use(state)
         return {
             "target": self.engine.target.name,
             "drafter": drafter.name,
@@ -348,27 +348,8 @@ class Worker:
                 **self.model_ids(),
                 "embedder": self.embedder.name if self.embedder else None,
                 "embedding_dim": self.embedder.dim if self.embedder else None,
-                "device": str(self.engine.target.device),
-                "dtype": _dtype_name(self.engine.target.dtype),
-                "draft_dtype": _dtype_name(self.engine.draft_dtype),
-                "draft_runtime": getattr(self.engine, "draft_runtime", None),  # torch, or onnx (one ONNX Runtime graph)
-                # the next-token head's training record (None: no head for this target and backend)
-                "head": (self.engine.head.w.config.get("heldout") if getattr(self.engine, "head", None) else None),
-                # tokens the drafter may propose (None: the whole vocabulary; dflash.engine.draft_vocab)
-                "draft_vocab": None if getattr(self.engine, "draft_vocab", None) is None
-                else int(self.engine.draft_vocab.numel()),
-                "target_backend": self.engine.target.backend,
-                # how it was chosen (--target-backend auto: each candidate's measured prices and the
-                # tokens per second it promised)
-                "target_backend_choice": getattr(self.engine.target, "selection", None),
-                # each target backend's verdict on this machine (probed in a child: dflash doctor)
-                "backends": (getattr(self.engine.target, "selection", None) or {}).get("backends"),
-                # None: this process runs the models; else the inference server that does (--backend openai)
-                "endpoint": self.engine.endpoint,
-                "model": self.engine.target.name,
+                **self.engine.status(),
                 "threads": torch.get_num_threads(),
-                "block_size": self.engine.block_size,
-                "cost_curve": self.engine.cost_curve.to_dict(),
                 "uptime_s": time.monotonic() - self.started,
                 "requests_served": dict(self.served),
                 "in_flight": len(self.jobs),
@@ -382,20 +363,8 @@ class Worker:
                 "recent_tau": pooled_tau(accepted, steps),  # pooled over the last generations
                 "pid": os.getpid(),
                 "ready": not self.stopping.is_set(),
-                "drafter_sha256": self.engine.drafter_sha256,
                 "learn": self.learner.status() if self.learner is not None else None,
-                # the suffix proposer's memory of each workload's past outputs (dflash.engine.workloads)
-                "workload_memory": self.engine.workloads.status() if hasattr(self.engine, "workloads") else None,
-                # prompts kept in the target's K/V memory for their workload's next ones
-                # (dflash.engine.prefix_cache; None: the backend cannot reuse cached rows exactly)
-                "prefix_cache": self.engine.prefixes.status() if getattr(self.engine, "prefixes", None) else None,
             }
-
-
-def _dtype_name(dtype) -> str | None:
-    from dflash.engine.engine import dtype_name
-
-    return None if dtype is None else dtype_name(dtype)
 
 
 class _Idle(Exception):

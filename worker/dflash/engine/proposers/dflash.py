@@ -14,14 +14,21 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash.engine.calibration import Drafter
 from dflash.engine.drafter import DraftCache, DraftPart
-from dflash.engine.proposers.names import DFLASH
-from dflash.engine.proposers.protocol import Draft
+from dflash.engine.knobs import SpeculativeConfig
+from dflash.engine.proposers.protocol import BaseProposer, Draft, Offer
 from dflash.engine.sampling import argmax_rows, peak_probs, sample, warp
 from dflash.engine.versions import label as version_label
 from dflash.engine.versions import model_digest
 
-NAME = DFLASH
+NAME = "dflash"
+
+
+def build(engine) -> "DFlashProposer | None":
+    """The engine's drafter as a proposer (its drafter management makes it: dflash.engine.drafters);
+    None for an engine without a drafter."""
+    return engine.dflash
 
 
 class DraftHead:
@@ -106,20 +113,24 @@ class DFlashState:
     pending: list[torch.Tensor] = field(default_factory=list)  # features the drafter has not seen
 
 
-class DFlashProposer:
+class DFlashProposer(BaseProposer):
     name = NAME
+    deferred = True
 
     def __init__(self, target, drafter, name: str, sha256: str | None, dtype: torch.dtype,
-                 vocab: torch.Tensor | None = None, runtime: str = "torch"):
+                 vocab: torch.Tensor | None = None, runtime: str = "torch",
+                 cfg: SpeculativeConfig = SpeculativeConfig()):
         """`dtype`: the drafter's precision; torch.qint8 runs its Linear layers (and the head)
         with int8 weights and fp32 activations. `vocab`: its draft vocabulary (None: all).
         `runtime`: "torch", or "onnx" for the int8 drafter as one ONNX graph run by ONNX
         Runtime (dflash.engine.drafter_graph)."""
         self.target = target
+        self.draft_dtype = dtype  # as asked: torch.qint8 for int8 weights
         self.int8 = dtype == torch.qint8
         self.dtype = torch.float32 if self.int8 else dtype  # of the activations
         self.vocab = vocab
         self.runtime = runtime
+        self.cfg = cfg
         self.install(drafter, name, sha256)
 
     def install(self, drafter, name: str, sha256: str | None) -> None:
@@ -150,8 +161,28 @@ class DFlashProposer:
         return DFlashState(self.current, self.current.model.new_cache())
 
     @staticmethod
+    def kept(state) -> DrafterInUse | None:
+        """The drafter a state started with (None: it drafts with none)."""
+        ps = state.proposals.get(NAME)
+        return ps.drafter if ps is not None else None
+
+    def join(self, state, request, allowed: set[str]) -> None:
+        if state.block_size > 1 and NAME in allowed:
+            state.proposals[NAME] = self.start(state)
+
+    def calibrations(self, state, request, prior, width: int) -> dict:
+        return {NAME: Drafter(self.cfg, width, prior)} if NAME in state.proposals else {}
+
+    def offer(self, items: list[tuple[object, int]]) -> list[Offer | None]:
+        """Per state it drafts for: a deferred offer, with the target rows its next pass
+        must take in first."""
+        return [Offer(NAME, self, pending=sum(t.shape[0] for t in state.proposals[NAME].pending))
+                if NAME in state.proposals else None for state, _ in items]
+
+    @staticmethod
     def layers_of(state) -> tuple[int, ...]:
-        return state.proposals[NAME].drafter.layer_ids
+        ps = state.proposals.get(NAME)
+        return ps.drafter.layer_ids if ps is not None else ()
 
     @staticmethod
     def observe(state, features: torch.Tensor | None) -> None:

@@ -36,11 +36,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash.engine.proposers.names import HEAD
-from dflash.engine.proposers.protocol import Draft, RunningPrice
+from dflash.engine.proposers.protocol import BaseProposer, Draft, RunningPrice
 from dflash.errors import DFlashError
 
-NAME = HEAD
+NAME = "head"
 FORMAT = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -122,7 +121,10 @@ class HeadState:
     residual: np.ndarray | None  # the last layer's residual at the row that chose the last committed token
 
 
-class HeadProposer:
+class HeadProposer(BaseProposer):
+    """The head's part of a composed proposer (suffix_head.py): its guesses are ready offers,
+    point masses priced by the call that made them."""
+
     name = NAME
 
     def __init__(self, target, weights: HeadWeights, bits: int | None = 8):
@@ -144,15 +146,15 @@ class HeadProposer:
         self.index = np.full(int(weights.vocab.max()) + 1, -1, dtype=np.int64)  # target id -> place in vocab
         self.index[weights.vocab] = np.arange(len(weights.vocab))
 
-    @property
-    def guess_s(self) -> float:
-        return self.price.s
-
     def start(self, state) -> HeadState:
         return HeadState(None)
 
     def layers_of(self, state) -> tuple[int, ...]:
-        return self.layer_ids
+        return self.layer_ids if NAME in state.proposals else ()
+
+    def status(self) -> dict | None:
+        """Its training record (held-out accuracy and the like)."""
+        return self.w.config.get("heldout")
 
     @staticmethod
     def observe(state, features: torch.Tensor | None) -> None:

@@ -1,17 +1,29 @@
-"""What proposes draft tokens: the `Proposer` protocol and the draft it returns.
+"""What proposes draft tokens: the `Proposer` protocol, the offer it makes, the draft.
 
-A proposer keeps its own per-request state (in `DecodeState.proposals[name]`): the DFlash
-drafter its pending target features and draft cache, a suffix proposer its index. Each
-step the policy asks some states for a draft of D block positions (the anchor, the last
-committed token, plus D - 1 proposed tokens); the proposer answers for all of them at once,
-so a model proposer can run one forward for several requests. After the target verifies,
-`observe` hands it the target features of the rows that entered the target's cache for
-good (the anchor and the accepted drafts, or a prefill chunk).
+A proposer is one file in this folder plus one line in registry.py. It keeps its own
+per-request state (in `DecodeState.proposals[name]`), its calibration (calibration.py: how
+its confidences become acceptance estimates, learned per request) and its price. Each step,
+for every decoding state of block length `auto` with room for a draft, it may make an
+`Offer`:
+
+- a *ready* offer carries its draft (tokens, a confidence per position, point masses or
+  distributions): proposers whose drafts cost nothing or a lookup (the suffix proposer's
+  chains, the next-token head's guess, a grammar's forced tokens) draft before the policy
+  chooses, which then sees what they propose;
+- a *deferred* offer carries no draft: a model drafter (DFlash, a small draft model) drafts
+  only when chosen, for the number of positions the policy picks at the step's prices, in
+  one pass for every state that chose it (`propose`); the policy then picks how many of its
+  drafts to verify from its confidences.
+
+The policy (dflash.engine.policy) chooses among the offers, by name only; the step never
+names a proposer. After the target verifies, `observe` hands a feature-reading proposer the
+target features of the rows that entered the target's cache for good (the anchor and the
+accepted drafts, or a prefill chunk), and `outcome` tells the proposer that made a chosen
+offer how it fared (a proposer learning across requests keeps that).
 
 A draft carries, per proposed token, the proposer's distribution when it sampled from one
 (`probs`, for the probabilistic verify rule) or None for a point mass (a deterministic
-proposal, verified by the strict rule when sampling), and a confidence per position (the
-block-length policy's input).
+proposal, verified by the strict rule when sampling), and a confidence per position.
 """
 
 from __future__ import annotations
@@ -33,8 +45,10 @@ class Draft:
 
 
 class RunningPrice:
-    """A proposer's measured price per call, seconds: the mean of its first 100 calls, then a
-    mean that follows the last hundred or so."""
+    """A proposer's measured price per call, seconds: the mean of its first WINDOW calls,
+    then a mean that follows the last WINDOW or so."""
+
+    WINDOW = 100
 
     def __init__(self, start_s: float):
         self.s = start_s
@@ -42,24 +56,86 @@ class RunningPrice:
 
     def add(self, seconds: float) -> None:
         self.calls += 1
-        self.s += (seconds - self.s) / min(self.calls, 100)
+        self.s += (seconds - self.s) / min(self.calls, self.WINDOW)
+
+
+@dataclass
+class Offer:
+    """One proposer's offer for one state this step."""
+
+    name: str  # whose draft: the key of its calibration and of the statistics' drafts by proposer
+    source: "Proposer"  # the proposer that made it (drafts a deferred offer; told its outcome)
+    draft: Draft | None = None  # a ready offer's draft; None: deferred, drafted only if chosen
+    price: RunningPrice | None = None  # a ready draft's price, already paid (read when it is verified)
+    pending: int = 0  # deferred: rows of context the drafter must take in before its draft
+
+    @property
+    def deferred(self) -> bool:
+        return self.draft is None
 
 
 class Proposer(Protocol):
-    name: str
+    name: str  # what requests' `proposers`, the statistics and status call it
+    deferred: bool  # True: drafts only when chosen (a model drafter); False: offers ready drafts
+    parts: tuple[str, ...]  # the names its offers carry (a composed proposer: its parts')
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
         """Target layers whose features a state started now will need (empty: none)."""
 
-    def start(self, state: "DecodeState") -> object:
-        """A new request's proposer state."""
+    def join(self, state: "DecodeState", request, allowed: set[str]) -> None:
+        """Join a new request where it may (`allowed`: the names that may draft in it): put
+        its per-request state in `state.proposals` under its name (its parts' names)."""
+
+    def calibrations(self, state: "DecodeState", request, prior) -> dict[str, object]:
+        """Per offer name it may make in this request, a new calibration (calibration.py:
+        PointMass or Drafter; `prior`: the request's per-position prior, policy.Prior)."""
 
     def layers_of(self, state: "DecodeState") -> tuple[int, ...]:
-        """The target layers this state's proposer state reads."""
+        """The target layers this state's proposer state reads (empty where it has none)."""
 
     def observe(self, state: "DecodeState", features: torch.Tensor | None) -> None:
         """Rows entered the target's cache for good; `features` are theirs."""
 
+    def offer(self, items: list[tuple["DecodeState", int]]) -> list[Offer | None]:
+        """Per (state, most): an offer of at most `most` positions (anchor included), or None."""
+
     def propose(self, items: list[tuple["DecodeState", int]]) -> list[Draft]:
         """One draft of D positions (anchor included) for each (state, D)."""
+
+    def outcome(self, state: "DecodeState", offer: Offer, confidence: list[float], verify_len: int,
+                accepted: int) -> None:
+        """A chosen offer was verified: `verify_len` tokens, `accepted` drafts kept."""
+
+    def status(self) -> dict | None:
+        """What the worker's status shows of it (None: nothing)."""
+
+    def part(self, name: str) -> "Proposer | None":
+        """Itself, or its part (a composed proposer), of that name; None if neither."""
+
+
+class BaseProposer:
+    """The protocol's defaults, for a proposer that needs none of them: no features, nothing
+    learned across requests, nothing to show."""
+
+    deferred = False
+    layer_ids: tuple[int, ...] = ()
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def layers_of(self, state) -> tuple[int, ...]:
+        return ()
+
+    def observe(self, state, features) -> None:
+        pass
+
+    def outcome(self, state, offer, confidence, verify_len, accepted) -> None:
+        pass
+
+    def status(self) -> dict | None:
+        return None
+
+    def part(self, name: str):
+        return self if name == self.name else None

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash.engine.proposers.names import SUFFIX
-from dflash.engine.proposers.protocol import Draft, RunningPrice
+from dflash.engine.calibration import bin_of, judged, shrink
+from dflash.engine.knobs import SpeculativeConfig
+from dflash.engine.proposers.protocol import BaseProposer, Draft, RunningPrice
 from dflash.engine.proposers.suffix_index import Continuations, SuffixIndex, continuations_from
 
-NAME = SUFFIX
+NAME = "suffix"
 SELF = 0  # the document id of the request's own tokens in its index
 MAX_CONTEXT = 32  # the longest suffix looked up
 # The shortest match that proposes. 1: even a one-token match proposes what most often
@@ -32,14 +33,6 @@ MAX_CONTEXT = 32  # the longest suffix looked up
 # 1 instead of 2 raised the `suffix` method's speedup over plain steps from 1.70 to 1.83 on
 # agent, 2.05 to 2.15 on code, 1.25 to 1.30 on chat and 2.11 to 2.25 on `repetitive`.
 MIN_MATCH = 1
-# Confidences shrink with the context agreed on (suffix_index, `per_context`): a chain after a
-# one-token match and one after a match of 16 tokens, each from one earlier occurrence, were
-# kept 21-44 % and 87-98 % of the time, and both said 0.5 before. On the bench's suites (ort,
-# Zen 4, 128 new tokens; `python -m dflash.bench.replay` of one run) the `suffix` method's τ
-# rose from 2.02 to 2.09 on code, 1.24 to 1.29 on chat, 1.69 to 1.85 on agent and 2.09 to 2.27
-# on `repetitive`, its replayed speedup from 1.53 to 1.55, 1.14 to 1.18, 1.45 to 1.51 and 1.56
-# to 1.60 (docs/benchmarks.md has the runs).
-PER_CONTEXT = True
 SPEC_FACTOR = 2  # a chain is at most this many times as long as the match it continues
 MAX_POOLS = 256  # workloads whose pooled calibration is kept (least recently used dropped)
 
@@ -62,8 +55,11 @@ def _lookup(indexes: list[SuffixIndex], prompt_ids: list[int], output_ids: list[
     out_n = len(output_ids)
     context = output_ids[-MAX_CONTEXT:] if out_n >= MAX_CONTEXT else (
         prompt_ids[-(MAX_CONTEXT - out_n):] + output_ids)
+    # Confidences shrink with the context agreed on (suffix_index, `per_context`): a chain after a
+    # one-token match and one after a match of 16 tokens, each from one earlier occurrence, were
+    # kept 21-44 % and 87-98 % of the time, and both said 0.5 before.
     return continuations_from(indexes, context, max_tokens, min_match=MIN_MATCH, max_context=MAX_CONTEXT,
-                              per_context=PER_CONTEXT)
+                              per_context=True)
 
 
 def chain(indexes: list[SuffixIndex], prompt_ids: list[int], output_ids: list[int],
@@ -100,13 +96,17 @@ class SuffixState:
     first: tuple[np.ndarray, np.ndarray] | None = None  # its first position's tokens and counts (when asked)
 
 
-class SuffixProposer:
+class SuffixProposer(BaseProposer):
+    """The suffix proposer's part of a composed proposer (suffix_head.py): its chains are
+    ready offers, point masses priced by their lookup."""
+
     name = NAME
     layer_ids: tuple[int, ...] = ()
 
-    def __init__(self, workloads, bins: int = 10):
+    def __init__(self, workloads, cfg: SpeculativeConfig = SpeculativeConfig()):
         self.workloads = workloads
-        self.bins = bins
+        self.cfg = cfg
+        self.bins = cfg.calibration_bins
         self.price = RunningPrice(2e-4)  # one proposal's
         # Outcomes of its drafts by confidence bin, pooled over a workload's requests (decayed,
         # so they follow it): the start of each new request's calibration. Per workload (None:
@@ -115,6 +115,10 @@ class SuffixProposer:
         # repeated answers from being drafted.
         self.pools: OrderedDict[object, tuple[list[float], list[float]]] = OrderedDict()
 
+    def outcome(self, state, offer, confidences: list[float], verify_len: int, accepted: int) -> None:
+        """A chain was verified: its workload's pooled calibration learns from it."""
+        self.learn(state.workload, confidences, verify_len, accepted)
+
     def start(self, state) -> SuffixState:
         own = SuffixIndex()
         own.add(SELF, list(state.prompt_ids))
@@ -122,11 +126,7 @@ class SuffixProposer:
         return SuffixState(own, len(state.prompt_ids), memory)
 
     @staticmethod
-    def layers_of(state) -> tuple[int, ...]:
-        return ()
-
-    @staticmethod
-    def observe(state, features=None) -> None:
+    def catch_up(state) -> None:
         """Index the tokens committed since the last call."""
         ps = state.proposals[NAME]
         new = state.output_ids[ps.indexed - len(state.prompt_ids):]
@@ -141,7 +141,7 @@ class SuffixProposer:
         for state, D in items:
             t = time.perf_counter()
             ps = state.proposals[NAME]
-            self.observe(state)
+            self.catch_up(state)
             indexes = [ps.own] if ps.workload is None else [ps.own, ps.workload.index]
             ps.found = found = _lookup(indexes, state.prompt_ids, state.output_ids, D - 1)
             ps.first = None
@@ -184,20 +184,15 @@ class SuffixProposer:
               decay: float = 0.999) -> None:
         """A suffix-drafted step's outcome, for its workload's pooled calibration."""
         acc, n = self._pool(workload)
-        for i in range(min(accepted + 1, verify_len - 1)):
-            b = min(int(confidences[i] * self.bins), self.bins - 1)
+        for i in range(judged(accepted, verify_len)):
+            b = bin_of(confidences[i], self.bins)
             n[b] = n[b] * decay + 1
             acc[b] = acc[b] * decay + (i < accepted)
 
     def prior(self, workload, strength: float) -> tuple[list[float], list[float]]:
         """The workload's pooled calibration, shrunk to at most `strength` outcomes per bin."""
         acc, n = self.pools.get(workload) or ([0.0] * self.bins, [0.0] * self.bins)
-        scale = [min(1.0, strength / x) if x > 0 else 0.0 for x in n]
-        return [a * s for a, s in zip(acc, scale)], [x * s for x, s in zip(n, scale)]
-
-    @property
-    def lookup_s(self) -> float:
-        return self.price.s
+        return shrink(acc, n, strength)
 
 
 def _draft(tokens: list[int], confidence: list[float]) -> Draft:

@@ -28,8 +28,8 @@ import statistics
 import time
 from pathlib import Path
 
-from dflash.engine.costs import TYPICAL_CONTEXT, TYPICAL_NEW_TOKENS, bench_context, keyed_file, write_keyed
-from dflash.engine.knobs import PolicyConfig
+from dflash.engine.costs import TYPICAL_CONTEXT, TYPICAL_NEW_TOKENS, bench_context, keyed_file, probe_prompt, write_keyed
+from dflash.engine.knobs import SpeculativeConfig
 from dflash.engine.policy import Prior, expected_tokens
 from dflash.engine.target.protocol import TargetRow
 
@@ -45,7 +45,7 @@ def step_seconds(target, layer_ids: tuple[int, ...] = (), repeats: int = REPEATS
     context = bench_context(target, TYPICAL_CONTEXT, 1)
     seq = target.new_sequence()
     try:
-        prompt = [(100 + i) % target.vocab_size for i in range(context)]
+        prompt = probe_prompt(target, context)
         target.forward_batch([TargetRow(seq, prompt, 1)], layer_ids)
         times = []
         for i in range(repeats + 1):
@@ -90,7 +90,7 @@ def cannot_win(plain_s: float, best_request_s: float, acceptance: list[float]) -
     return fastest_possible_s(plain_s, acceptance) > SLACK * best_request_s
 
 
-def default_acceptance(cfg: PolicyConfig = PolicyConfig()) -> list[float]:
+def default_acceptance(cfg: SpeculativeConfig = SpeculativeConfig()) -> list[float]:
     return Prior.default(max(LENGTHS), cfg).rates()
 
 

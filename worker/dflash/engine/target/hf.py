@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import Cache
 
-from dflash.engine.target.protocol import TargetOutput, TargetRow
+from dflash.engine.target.protocol import TargetDefaults, TargetOutput, TargetRow
 from dflash.errors import DFlashError
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma3", "smollm3")
@@ -137,10 +137,8 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 AttentionInterface.register(PACKED, packed_attention)
 
 
-class HFTarget:
+class HFTarget(TargetDefaults):
     backend = "hf"
-    build = None  # the weights as they are (Target protocol)
-    min_rows = 1  # nothing padded (Target protocol)
 
     def __init__(self, model, tokenizer=None, name: str = "target"):
         self.model = model.eval()

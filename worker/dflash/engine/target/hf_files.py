@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.engine.target.protocol import TargetDefaults
 from dflash.errors import DFlashError
 
 
@@ -22,7 +23,7 @@ class HFSide:
     head: torch.Tensor  # [V, H] (the embedding when tied)
 
 
-class BorrowedHead:
+class BorrowedHead(TargetDefaults):
     """What a quantized backend lends the drafter from its HFSide: embedding and LM head
     (set `_embed` and `_head` from it)."""
 

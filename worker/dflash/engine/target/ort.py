@@ -93,6 +93,7 @@ def _attention_rows(n: int, rows: int) -> np.ndarray:
 class OrtTarget(BorrowedHead):
     backend = NAME  # the int8 build's; another build's adds its precision ("ort-q4_1")
     min_rows = 1  # a lone row goes through the weights alone (only its attention sees it twice) ...
+    copies_prefix = True  # cached rows are exactly what prefilling the same tokens again gives
 
     def __init__(self, model_file: str | Path, hf_dir: str | Path, threads: int | None = None,
                  context: int = DEFAULT_CONTEXT):

@@ -60,11 +60,23 @@ class Target(Protocol):
     dtype: torch.dtype
     backend: str  # a short name for status and the tables ("hf", ...)
     # What the backend made of the weights, where it made something (the ort export's
-    # precision and block size); part of every cached price's key. Absent: None.
+    # precision and block size); part of every cached price's key. None: nothing.
     build: dict | None
     # The fewest rows a call of one sequence runs (a shorter one is padded to this many):
     # verifying fewer tokens costs what verifying this many does. 1 where nothing is padded.
     min_rows: int
+    # Optional capabilities, declared (TargetDefaults gives a backend the "none" of each):
+    # the most sequences it holds at once (llama.cpp's slots; None: as memory allows): the
+    # scheduler's batch is capped by it;
+    max_sequences: int | None
+    # how the backend was chosen (--target-backend auto: each candidate's measured prices), for status;
+    selection: dict | None
+    # whether cached rows are exactly what prefilling the same tokens again would give (the
+    # ort backend), so the prefix cache (dflash.engine.prefix_cache) may copy them: then
+    #   copy_prefix(src, dst, n): a new sequence `dst` caches the first n tokens of `src`;
+    #   kv_bytes(seq): the memory a kept sequence holds.
+    # A backend without it prefills every prompt whole.
+    copies_prefix: bool
 
     def new_sequence(self) -> Sequence: ...
 
@@ -75,13 +87,29 @@ class Target(Protocol):
     def rollback(self, seq: Sequence, length: int) -> None:
         """Forget cached positions >= length (rejected drafts)."""
 
-    # Optional, for the prefix cache (dflash.engine.prefix_cache), where a backend's cached
-    # rows are exactly what prefilling the same tokens again would give (the ort backend):
-    #   copy_prefix(src, dst, n): a new sequence `dst` caches the first n tokens of `src`;
-    #   kv_bytes(seq): the memory a kept sequence holds.
-    # A backend without them prefills every prompt whole.
+    def copy_prefix(self, src: Sequence, dst: Sequence, n: int) -> None: ...
+
+    def kv_bytes(self, seq: Sequence) -> int: ...
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
 
     def head_weight(self) -> torch.Tensor:
         """The LM head [V, hidden], which the drafter borrows."""
+
+
+class TargetDefaults:
+    """The optional parts of the protocol as a backend has them unless it says otherwise:
+    nothing built, nothing padded, no bound on sequences, not chosen by measuring, no
+    prefix copies."""
+
+    build: dict | None = None
+    min_rows: int = 1
+    max_sequences: int | None = None
+    selection: dict | None = None
+    copies_prefix: bool = False
+
+    def copy_prefix(self, src: Sequence, dst: Sequence, n: int) -> None:
+        raise NotImplementedError(f"the {self.backend} backend does not copy cached prefixes")
+
+    def kv_bytes(self, seq: Sequence) -> int:
+        raise NotImplementedError(f"the {self.backend} backend does not report a sequence's memory")
