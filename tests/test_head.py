@@ -209,7 +209,7 @@ def test_one_head_call_guesses_and_chooses_a_chains_first_token(tiny):
     chains = engine.proposer("suffix").propose(items)
     assert chains[0].tokens.numel() == 0 and SuffixProposer.choices(torn) is not None
     alone_probs = head.distributions([torn])[0]
-    alone = SuffixProposer.rechoose(torn, head.probability_of(alone_probs, SuffixProposer.choices(torn)))
+    alone = engine.proposer("suffix").rechoose(torn, head.probability_of(alone_probs, SuffixProposer.choices(torn)))
     calls = []
     run = head.session.run
     head.session.run = lambda *a, **k: calls.append(1) or run(*a, **k)
@@ -232,7 +232,7 @@ def test_greedy_with_head_chosen_chains_is_the_targets_greedy(tiny, monkeypatch)
     free = _free_verify(engine, folder)
     asked = []
     rechoose = SuffixProposer.rechoose
-    monkeypatch.setattr(SuffixProposer, "rechoose", staticmethod(lambda s, p: asked.append(1) or rechoose(s, p)))
+    monkeypatch.setattr(SuffixProposer, "rechoose", lambda self, s, p: asked.append(1) or rechoose(self, s, p))
     for prompt in (AMBIGUOUS, AMBIGUOUS[::-1] + AMBIGUOUS):
         plain = engine.generate(GenerationRequest(input_ids=prompt, max_new_tokens=24, block_size=1))
         res = free.generate(GenerationRequest(input_ids=prompt, max_new_tokens=24, proposers=("suffix", "head")))

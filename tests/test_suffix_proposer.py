@@ -99,11 +99,14 @@ def test_batched_steps_with_suffix_drafts_equal_each_alone(tiny_engine):
 
 
 def test_the_head_breaks_ties_and_overrules_a_thin_majority_only():
-    """head_choice: occurrences times (the head's probability + HEAD_FLOOR); its confidence
+    """head_choice: occurrences times (the head's probability + the floor); its confidence
     the winner's share of that score times n / (n + pseudo-count)."""
     import numpy as np
 
-    from dflash.engine.proposers.suffix import HEAD_FLOOR, head_choice
+    from dflash.engine.knobs import SpeculativeConfig
+    from dflash.engine.proposers.suffix import head_choice
+
+    HEAD_FLOOR = SpeculativeConfig().suffix_head_floor
 
     tokens = np.array([3, 7, 9])
     assert head_choice(tokens, np.array([1, 1, 1]), np.array([0.1, 0.8, 0.1]), 1.0)[0] == 7  # a tie
@@ -128,11 +131,12 @@ def test_a_chains_first_token_is_chosen_again_with_the_heads_probabilities(tiny_
     draft = tiny_engine.proposer("suffix").propose([(state, 5)])[0]
     assert draft.tokens.tolist() == [30, 31, 32, 2]  # two of three occurrences (then a tie: 2 < 4)
     assert SuffixProposer.choices(state).tolist() == [30, 40]
-    again = SuffixProposer.rechoose(state, np.array([0.02, 0.95]))
+    suffix = tiny_engine.proposer("suffix")
+    again = suffix.rechoose(state, np.array([0.02, 0.95]))
     assert again.tokens.tolist() == [40, 41, 42, 9] and again.probs is None
     assert 0.5 < again.confidence[0] < 1 and again.confidence[1:] == pytest.approx(
         [1 / (1 + 1 / (len([5, 6, 7, 8]) + i)) for i in (1, 2, 3)])  # one occurrence, per-context prior
-    kept = SuffixProposer.rechoose(state, np.array([0.5, 0.5]))
+    kept = suffix.rechoose(state, np.array([0.5, 0.5]))
     assert kept.tokens.tolist() == [30, 31, 32, 2] and kept.confidence[1:] == draft.confidence[1:]
     tiny_engine.release(state)
     agree = tiny_engine.admit(GenerationRequest(input_ids=LOOP + [5, 6], max_new_tokens=20, proposers=("suffix",)))

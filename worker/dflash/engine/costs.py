@@ -34,8 +34,8 @@ PREFILL_TOKENS = 128  # the prompt whose prefill spot_prices times (a typical re
 TYPICAL_NEW_TOKENS = 128  # and the tokens a typical request decodes after it
 # Where a typical request's decoding steps run on average: the context at which backends'
 # prices are compared (dflash.engine.target.fastest). A step's price grows with the cached
-# tokens at a rate that differs by backend: on a Zen 5 EPYC (2 threads) ONNX Runtime's int8
-# graph took 7.0 ms at 64 cached tokens, 8.3 at 256 and 10.3 at 511, llama.cpp 6.8-8.1 at 64-600.
+# tokens at a rate that differs by backend (ONNX Runtime's attention costs more per cached
+# token than llama.cpp's), so backends compared at a short context would be ranked wrong.
 TYPICAL_CONTEXT = PREFILL_TOKENS + TYPICAL_NEW_TOKENS // 2
 CONTEXT_ROWS = 16  # pending context rows timed for the drafter's price per row
 # What a curve holds (2: the drafter's price per pending context row; 3: a draft priced with the
@@ -451,9 +451,8 @@ def measure(engine, max_batch: int = 1) -> CostCurve:
 # now, and a re-measurement would be the worse of the two.
 # The policy trades in the curve's ratios (what verifying L costs in plain steps), and a
 # cached curve can be misshapen without being too high: timed in a moment when only its
-# short lengths were slow, it prices drafting too cheaply for as long as it lives (on a
-# 2-core Zen 4, a curve whose verify of 4 cost 1.13 plain steps where every fresh timing
-# said 1.35-1.42). So the spot check's longest length over its shortest is compared too.
+# short lengths were slow, it prices drafting too cheaply for as long as it lives. So the
+# spot check's longest length over its shortest is compared too.
 SPOT_LENGTHS = (1, 4)
 SPOT_TOLERANCE = 0.75  # re-measure when a spot price is under this fraction of the cached one
 SPOT_SHAPE_TOLERANCE = 0.12  # or when the spot prices' ratio is off the cached one's by more

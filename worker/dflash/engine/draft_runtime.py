@@ -118,9 +118,8 @@ def fastest_draft(target: Target, drafter, vocab: torch.Tensor | None, only: tor
     target.forward_batch([TargetRow(seq, prompt, 1)])
     # Rounds in which every candidate is timed once in turn, the fastest round of each kept
     # (as the cost curve is measured): a slow moment of a shared machine (a database starting
-    # beside the worker) then costs every candidate one sample, not one candidate all of them.
-    # A worker container once took PyTorch's int8 drafter this way, at 12 ms a drafted step on
-    # the ort target against 3.5 ms for the ONNX Runtime one (Zen 2).
+    # beside the worker) then costs every candidate one sample, not one candidate all of them,
+    # which would otherwise crown a candidate several times slower.
     # A proposer in fp32 or int8 drafts from the drafter as it is (int8: from a quantized
     # copy); one in another precision converts the module in place, so it gets a copy.
     proposers = [DFlashProposer(target, drafter if dtype in (torch.float32, torch.qint8) else copy.deepcopy(drafter),

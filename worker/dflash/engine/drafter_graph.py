@@ -211,9 +211,8 @@ def next_head_graph(proj: np.ndarray, bias: np.ndarray, gain: np.ndarray, out: n
 
 class OnnxHead:
     """The draft head run by ONNX Runtime. Not PyTorch's int8 Linear: FBGEMM's OpenMP threads
-    spin on after it, into the target's verify forward that follows every draft (measured on
-    a Zen 5 EPYC, 2 threads, ort target: a drafted step of 4 spent 17.4 ms in that forward
-    against 10 alone); ONNX Runtime's stop spinning when a call ends."""
+    spin on after it, into the target's verify forward that follows every draft, which then
+    runs markedly slower; ONNX Runtime's stop spinning when a call ends."""
 
     def __init__(self, weight: torch.Tensor):
         from dflash.engine.onnx_drafter import _session

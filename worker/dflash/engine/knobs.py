@@ -14,9 +14,12 @@ DEFAULT_MAX_QUEUE = 64  # requests waiting for the engine thread before the work
 # bring none), and those the worker's recent τ pools.
 RECENT_PRIOR = 200
 RECENT_TAU = 100
-# The prefix cache (dflash.engine.prefix_cache): K/V memory its kept sequences may hold in
-# all, and the fewest leading prompt tokens worth copying instead of prefilling.
+# Memory the engine keeps between requests, capped: the prefix cache's K/V rows
+# (dflash.engine.prefix_cache), and the workloads' past outputs the suffix proposer reads
+# (dflash.engine.workloads); with the fewest leading prompt tokens worth copying from the
+# prefix cache instead of prefilling.
 PREFIX_CACHE_MB = 128.0
+WORKLOAD_MEMORY_MB = 64.0
 PREFIX_MIN_TOKENS = 16
 
 
@@ -68,3 +71,18 @@ class SpeculativeConfig:
     # bin) start each new request's calibration.
     point_mass_trust: float = 0.5
     point_mass_strength: float = 4.0
+    # The suffix proposer (proposers/suffix.py): the longest suffix it looks up; the shortest
+    # match that proposes (1: even a one-token match proposes what most often followed that
+    # token, a bigram guess the policy trusts only as far as its calibrated outcomes say, at a
+    # verify price of nearly nothing for a row or two); a chain at most this many times as long
+    # as the match it continues; workloads whose pooled calibration is kept (least recently used
+    # dropped); and, where the next-token head chooses a chain's first token among the ways its
+    # earlier occurrences went, each candidate scores occurrences × (the head's probability +
+    # this floor): the head breaks ties and overrules a thin majority, and the floor keeps a
+    # token outside the head's vocabulary in the running. Chosen by replaying bench runs
+    # (docs/investigations/2026-12-05-chain-confidence-and-replay.md, 2026-12-05-head-choice.md).
+    suffix_max_context: int = 32
+    suffix_min_match: int = 1
+    suffix_spec_factor: int = 2
+    suffix_max_pools: int = 256
+    suffix_head_floor: float = 0.01

@@ -114,7 +114,7 @@ class BlockPolicy:
         # The rate at which "do not draft" was last decided (None: decide afresh). A plain
         # step changes none of the counts the decision rests on, only the going rate, so the
         # decision stands until a drafted step or a lower rate (which makes drafting cheaper);
-        # deciding costs about a millisecond, ~2 % of a plain step on a CPU.
+        # deciding again every plain step would cost a noticeable share of the step on a CPU.
         self._plain_at_rate: float | None = None
         self._plain_prices: Prices | None = None
         self._draft_values: list[float] | None = None  # what the last draft_length() weighed

@@ -67,7 +67,7 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_probs, state: Decod
     return verify_probabilistic(drafts, draft_probs, p, state.generator)
 
 
-_NO_DRAFTS = torch.empty(0, dtype=torch.long)  # shared, never written: a tensor per plan costs ~5 us a step
+_NO_DRAFTS = torch.empty(0, dtype=torch.long)  # shared, never written: no new tensor per plan in the hot loop
 
 
 class _Plan:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from dflash.engine.knobs import WORKLOAD_MEMORY_MB
 from dflash.engine.proposers.suffix_index import SuffixIndex
 from dflash.errors import DFlashError
 
-DEFAULT_CAP_MB = 64.0
 MAX_KEY = 200
 BYTES_PER_TOKEN = 48  # what the index holds per token (dflash.engine.proposers.suffix_index), with room
 EVICT_TO = 0.9  # over the cap, a workload's oldest outputs go until it holds this share of the cap
@@ -45,7 +45,7 @@ class Workload:
 
 
 class WorkloadMemory:
-    def __init__(self, cap_mb: float = DEFAULT_CAP_MB):
+    def __init__(self, cap_mb: float = WORKLOAD_MEMORY_MB):
         if not cap_mb >= 0:
             raise DFlashError("bad_params", f"the workload memory cap must be >= 0 MB, got {cap_mb}")
         self.cap_bytes = int(cap_mb * 1024 * 1024)

@@ -136,10 +136,9 @@ class HeadProposer(BaseProposer):
         out = target.head_weight().detach().float()[torch.as_tensor(weights.vocab)].numpy()  # [K, H]
         self.embed = target.embed  # ids -> input embeddings (the token just committed)
         # Its two products in ONNX Runtime, 8-bit: after the target's forward has streamed its
-        # weights through the caches, the head's come from memory, and at fp32 (7.3 MB) that
-        # took ~0.7 ms a guess (Zen 4); 8 bits read a quarter of it. Not numpy: its OpenBLAS
-        # threads spin on after a product, into the target's next forward (a step's run took
-        # 16 ms instead of 10); ONNX Runtime's stop when a call ends.
+        # weights through the caches, the head's come from memory, so its cost is the bytes read:
+        # 8 bits read a quarter of fp32's. Not numpy: its OpenBLAS threads spin on after a
+        # product, into the target's next forward; ONNX Runtime's stop when a call ends.
         self.session = _session(next_head_graph(weights.proj, weights.bias, weights.gain, out, EPS, bits=bits)
                                 .SerializeToString(), torch.device("cpu"))
         self.price = RunningPrice(1e-4)  # one guess's

@@ -24,63 +24,39 @@ from dflash.engine.proposers.suffix_index import Continuations, SuffixIndex, con
 
 NAME = "suffix"
 SELF = 0  # the document id of the request's own tokens in its index
-MAX_CONTEXT = 32  # the longest suffix looked up
-# The shortest match that proposes. 1: even a one-token match proposes what most often
-# followed that token (in the request's text and its workload's memory), a bigram guess that
-# the policy trusts only as far as its calibrated outcomes say, at a verify price that is
-# nearly nothing for a row or two (ort: a plain step runs two rows anyway). Measured on a
-# 2-core Zen 5 (ort, 128 new tokens; priced by the cost curve, steps replayed by the policy):
-# 1 instead of 2 raised the `suffix` method's speedup over plain steps from 1.70 to 1.83 on
-# agent, 2.05 to 2.15 on code, 1.25 to 1.30 on chat and 2.11 to 2.25 on `repetitive`.
-MIN_MATCH = 1
-SPEC_FACTOR = 2  # a chain is at most this many times as long as the match it continues
-MAX_POOLS = 256  # workloads whose pooled calibration is kept (least recently used dropped)
-
-
-# Where a match's occurrences went different ways at the first position and the next-token
-# head (dflash.engine.proposers.head) is asked, the first token is the candidate with the most
-# occurrences times (the head's probability + HEAD_FLOOR), and its confidence that score's
-# share of all candidates' times n / (n + pseudo-count): the head breaks ties and overrules a
-# thin majority, the floor keeps a token the head does not know (outside its vocabulary) in
-# the running. Replayed on one bench run's greedy outputs (ort, Zen 4, 128 new tokens, the
-# head's probabilities from the target's own features): the suffix policy's speedup over
-# plain steps rose from 1.56 to 1.62 on code, 1.18 to 1.22 on chat, 1.51 to 1.54 on agent and
-# 1.61 to 1.64 on `repetitive` (floor 0.05: 1.63 / 1.21 / 1.54 / 1.64; keeping the counts'
-# confidence and only the head's pick: 1.59 / 1.20 / 1.52 / 1.62).
-HEAD_FLOOR = 0.01
-
-
 def _lookup(indexes: list[SuffixIndex], prompt_ids: list[int], output_ids: list[int],
-            max_tokens: int) -> Continuations | None:
-    out_n = len(output_ids)
-    context = output_ids[-MAX_CONTEXT:] if out_n >= MAX_CONTEXT else (
-        prompt_ids[-(MAX_CONTEXT - out_n):] + output_ids)
+            max_tokens: int, cfg: SpeculativeConfig) -> Continuations | None:
+    n, out_n = cfg.suffix_max_context, len(output_ids)
+    context = output_ids[-n:] if out_n >= n else prompt_ids[-(n - out_n):] + output_ids
     # Confidences shrink with the context agreed on (suffix_index, `per_context`): a chain after a
-    # one-token match and one after a match of 16 tokens, each from one earlier occurrence, were
-    # kept 21-44 % and 87-98 % of the time, and both said 0.5 before.
-    return continuations_from(indexes, context, max_tokens, min_match=MIN_MATCH, max_context=MAX_CONTEXT,
+    # one-token match is kept far less often than one after a long match, though each may rest
+    # on a single earlier occurrence.
+    return continuations_from(indexes, context, max_tokens, min_match=cfg.suffix_min_match, max_context=n,
                               per_context=True)
 
 
 def chain(indexes: list[SuffixIndex], prompt_ids: list[int], output_ids: list[int],
-          max_tokens: int) -> tuple[list[int], list[float]]:
+          max_tokens: int, cfg: SpeculativeConfig = SpeculativeConfig()) -> tuple[list[int], list[float]]:
     """The proposal after prompt + output so far: the continuation of the longest earlier
-    match of its last MAX_CONTEXT tokens (at least MIN_MATCH), at most SPEC_FACTOR times
-    as long as the match, and each position's confidence. (The bench's ceiling replays it.)"""
-    found = _lookup(indexes, prompt_ids, output_ids, max_tokens)
-    most = _longest(found, max_tokens)
+    match of its last `suffix_max_context` tokens (at least `suffix_min_match`), at most
+    `suffix_spec_factor` times as long as the match, and each position's confidence. (The
+    bench's ceiling replays it.)"""
+    found = _lookup(indexes, prompt_ids, output_ids, max_tokens, cfg)
+    most = _longest(found, max_tokens, cfg)
     return found.walk(most) if most > 0 else ([], [])
 
 
-def _longest(found: Continuations | None, max_tokens: int) -> int:
-    """The longest chain a lookup may propose: at most SPEC_FACTOR times its match (0: none)."""
-    return 0 if found is None else min(max_tokens, SPEC_FACTOR * found.match)
+def _longest(found: Continuations | None, max_tokens: int, cfg: SpeculativeConfig) -> int:
+    """The longest chain a lookup may propose: at most `suffix_spec_factor` times its match (0: none)."""
+    return 0 if found is None else min(max_tokens, cfg.suffix_spec_factor * found.match)
 
 
-def head_choice(tokens: np.ndarray, counts: np.ndarray, probs: np.ndarray, pseudo: float) -> tuple[int, float]:
+def head_choice(tokens: np.ndarray, counts: np.ndarray, probs: np.ndarray, pseudo: float,
+                floor: float = SpeculativeConfig.suffix_head_floor) -> tuple[int, float]:
     """The first token among `tokens` (that followed `counts` times each) given the head's
-    probability of each, and its confidence (HEAD_FLOOR says how and why)."""
-    score = counts * (probs + HEAD_FLOOR)
+    probability of each: the most occurrences × (probability + `floor`); its confidence that
+    score's share of all candidates' times n / (n + `pseudo`) (SpeculativeConfig says why)."""
+    score = counts * (probs + floor)
     j = int(score.argmax())
     n = int(counts.sum())
     return int(tokens[j]), float(score[j] / score.sum() * n / (n + pseudo))
@@ -143,9 +119,9 @@ class SuffixProposer(BaseProposer):
             ps = state.proposals[NAME]
             self.catch_up(state)
             indexes = [ps.own] if ps.workload is None else [ps.own, ps.workload.index]
-            ps.found = found = _lookup(indexes, state.prompt_ids, state.output_ids, D - 1)
+            ps.found = found = _lookup(indexes, state.prompt_ids, state.output_ids, D - 1, self.cfg)
             ps.first = None
-            ps.most = _longest(found, D - 1)
+            ps.most = _longest(found, D - 1, self.cfg)
             tokens, confidence = found.walk(ps.most) if ps.most > 0 else ([], [])
             self.price.add(time.perf_counter() - t)
             out.append(_draft(tokens, confidence))
@@ -162,20 +138,19 @@ class SuffixProposer(BaseProposer):
             ps.first = ps.found.first()
         return ps.first[0] if len(ps.first[0]) > 1 else None
 
-    @staticmethod
-    def rechoose(state, probs: np.ndarray) -> Draft:
+    def rechoose(self, state, probs: np.ndarray) -> Draft:
         """The state's last proposal again, its first token chosen with the head's
         probability of each of `choices(state)` (`head_choice`)."""
         ps = state.proposals[NAME]
         tokens, counts = ps.first
-        first, confidence = head_choice(tokens, counts, probs, ps.found.pseudo(0))
+        first, confidence = head_choice(tokens, counts, probs, ps.found.pseudo(0), self.cfg.suffix_head_floor)
         return _draft(*ps.found.walk(ps.most, first, confidence))
 
     def _pool(self, workload) -> tuple[list[float], list[float]]:
         pool = self.pools.get(workload)
         if pool is None:
             pool = self.pools[workload] = ([0.0] * self.bins, [0.0] * self.bins)
-            while len(self.pools) > MAX_POOLS:
+            while len(self.pools) > self.cfg.suffix_max_pools:
                 self.pools.popitem(last=False)
         self.pools.move_to_end(workload)
         return pool
@@ -196,5 +171,5 @@ class SuffixProposer(BaseProposer):
 
 
 def _draft(tokens: list[int], confidence: list[float]) -> Draft:
-    # (from numpy: torch.tensor of a short list took ~55 us a step in the loop, this ~18)
+    # (through numpy: torch.tensor of a short Python list costs several times as much, every step)
     return Draft(torch.from_numpy(np.array(tokens, dtype=np.int64)), None, list(confidence))

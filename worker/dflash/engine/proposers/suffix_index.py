@@ -121,8 +121,8 @@ class _Level:
         # the tail: a request's own index grows by a token or two every step and is looked up
         # every step, and a dict append and a dict get cost a fraction of the numpy calls of an
         # array push and a scan (in the engine's loop, right after the target's forward, numpy's
-        # small calls run ~5x slower than alone). Whole documents stay on the arrays: a dict
-        # takes ~5x as long to fill (a history of 1e6 tokens: 3.5 s against 0.6) and ~15x the memory.
+        # small calls run several times slower than alone). Whole documents stay on the arrays: a
+        # dict takes several times as long to fill and an order of magnitude more memory.
         self.recent: dict[int, list[int]] = {}
         self.recent_n = 0
 

@@ -44,16 +44,16 @@ NAME = "llamacpp"
 MAX_SEQUENCES = 16
 DEFAULT_CONTEXT = 4096
 # Tokens per llama_decode call; larger forwards are split into calls of at most this many.
-# Measured (llama.cpp of llama-cpp-python 0.3.36, Q4_1, CPU): below 64 rows in a call every
-# row's logits and features are bit-identical whatever else is in the call (1 row or 63, one
-# sequence or several); from 64 rows on ggml takes another matmul kernel whose rounding
-# differs by up to ~1 % of a feature and a logit. Calls of at most 63 keep the output
+# Below 64 rows in a call (llama.cpp of llama-cpp-python 0.3.36, CPU) every row's logits and
+# features are bit-identical whatever else is in the call (1 row or 63, one sequence or
+# several); from 64 rows on ggml takes another matmul kernel, which rounds differently.
+# Calls of at most 63 keep the output
 # independent of batching, drafting and chunking: greedy with drafts is exactly plain
 # greedy, and a batched request gets what it would alone (tests/test_llamacpp_target.py
 # checks it, so a llama.cpp that changes this is caught). The same holds for attention only
 # when each sequence's cells are its own (non-unified KV): in one shared stream a sequence's
 # cells interleave with the others' in an order that depends on arrival, and the sums over
-# them round differently (measured: 2 of 8 greedy outputs changed under 4 concurrent callers).
+# them round differently, enough to change greedy outputs under concurrent callers.
 BATCH_TOKENS = 63
 CONTEXT_BATCH = 512  # the context's n_batch / n_ubatch (llama.cpp wants at least 64)
 
