@@ -302,7 +302,15 @@ def test_copy_drafter_makes_auto_draft_the_full_block(copy_engine):
     assert all(n == full for n in lengths[lengths.index(full) : -1]), lengths
 
 
-def test_engine_prior_and_explanation(tiny_engine):
+def test_engine_prior_and_explanation():
+    """On given prices (a curve timed on a busy machine would make the choice arbitrary): a
+    never-kept drafter starts plain, an always-kept one at the whole block."""
+    from dflash.engine.drafter import init_random_drafter
+    from dflash.engine.engine import Engine
+    from tests.conftest import cpu_like_costs, make_tiny_target, tiny_drafter_config
+
+    tiny_engine = Engine(make_tiny_target(), init_random_drafter(tiny_drafter_config(), seed=1, std=0.3),
+                         "tiny-drafter", cost_curve=cpu_like_costs(tiny_drafter_config().block_size))
     never = {"accepted": [0] * 7, "judged": [500] * 7}
     always = {"accepted": [500] * 7, "judged": [500] * 7}
     assert tiny_engine.explain_policy(never)["start_block_size"] == 1 or tiny_engine.cost_curve.relative()[

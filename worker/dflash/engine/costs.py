@@ -275,8 +275,11 @@ def probe_prompt(target, n: int) -> list[int]:
     return [(100 + i) % target.vocab_size for i in range(n)]
 
 
-def _best_s(fn, device, repeats: int = REPEATS) -> float:
-    """The fastest of a few runs: interference from other work only ever adds time."""
+def timed(fn, device=None, repeats: int = REPEATS, reduce=min, after=None) -> float:
+    """The serving core's one timing harness: `fn`'s time over `repeats` runs, the device
+    synchronised around each, reduced by `reduce`: the fastest by default (interference from
+    other work only ever adds time), the median where a typical step is wanted. `after` runs
+    untimed after each run (a rollback)."""
     times = []
     for _ in range(repeats):
         _sync(device)
@@ -284,7 +287,9 @@ def _best_s(fn, device, repeats: int = REPEATS) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - t)
-    return min(times)
+        if after is not None:
+            after()
+    return reduce(times)
 
 
 def _non_decreasing(xs: list[float]) -> list[float]:
@@ -355,10 +360,10 @@ class _StepBench:
         self.verify(self.block_size), self.draft(self.block_size)  # the largest shapes first
 
     def verify_s(self, L: int, repeats: int = REPEATS) -> float:
-        return _best_s(lambda: self.verify(L), self.device, repeats)
+        return timed(lambda: self.verify(L), self.device, repeats)
 
     def draft_s(self, D: int, repeats: int = REPEATS, context_rows: int = 1) -> float:
-        return _best_s(lambda: self.draft(D, context_rows), self.device, repeats)
+        return timed(lambda: self.draft(D, context_rows), self.device, repeats)
 
     def drafted_s(self, D: int, repeats: int = REPEATS, verify_s: float | None = None) -> float:
         """What drafting D adds to a step: a draft of D with the verify of D after it, less
@@ -368,7 +373,7 @@ class _StepBench:
         verify that follows, and the step pays that too."""
         if verify_s is None:
             verify_s = self.verify_s(D, repeats)
-        both = _best_s(lambda: (self.draft(D), self.verify(D)), self.device, repeats)
+        both = timed(lambda: (self.draft(D), self.verify(D)), self.device, repeats)
         return _drafted(both, verify_s, self.draft_s(D, repeats))
 
     def context_row_s(self, repeats: int = REPEATS, rows: int = CONTEXT_ROWS) -> float:
@@ -406,10 +411,10 @@ def _curve(bench: _StepBench, lengths, repeats: int) -> tuple[list[float], list[
     for r in range(repeats):
         for L in lengths if r % 2 == 0 else lengths[::-1]:
             bench.verify(L)  # settle: the call timed follows one of its own length
-            verify_at[L] = min(verify_at[L], _best_s(lambda: bench.verify(L), bench.device, 1))
+            verify_at[L] = min(verify_at[L], timed(lambda: bench.verify(L), bench.device, 1))
             if L in draft_at:
-                draft_at[L] = min(draft_at[L], _best_s(lambda: bench.draft(L), bench.device, 1))
-                both_at[L] = min(both_at[L], _best_s(lambda: (bench.draft(L), bench.verify(L)), bench.device, 1))
+                draft_at[L] = min(draft_at[L], timed(lambda: bench.draft(L), bench.device, 1))
+                both_at[L] = min(both_at[L], timed(lambda: (bench.draft(L), bench.verify(L)), bench.device, 1))
     padded = [L for L in lengths if L <= bench.target.min_rows]
     if padded:
         fastest = min(verify_at[L] for L in padded)
@@ -502,7 +507,7 @@ def spot_prices(engine, lengths=(1, 2, 4), repeats: int = REPEATS) -> dict:
         target.free(seq)
 
     return {"verify": verify, "draft": draft,
-            "prefill": {str(PREFILL_TOKENS): _best_s(prefill, target.device, max(2, repeats // 2))}}
+            "prefill": {str(PREFILL_TOKENS): timed(prefill, target.device, max(2, repeats // 2))}}
 
 
 def is_stale(checks: dict) -> bool:

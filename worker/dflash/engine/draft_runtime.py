@@ -101,9 +101,8 @@ def fastest_draft(target: Target, drafter, vocab: torch.Tensor | None, only: tor
     proposals: the choice changes how often they are kept, never the output. Measured at
     start, in a second or two."""
     import copy
-    import time
 
-    from dflash.engine.costs import probe_prompt
+    from dflash.engine.costs import probe_prompt, timed
     from dflash.engine.target import TargetRow
 
     candidates = [c for c in draft_candidates(target) if only is None or c[0] == only]
@@ -129,12 +128,14 @@ def fastest_draft(target: Target, drafter, vocab: torch.Tensor | None, only: tor
         for round_ in range(repeats):  # the first round warms every candidate up
             for i, proposer in enumerate(proposers):
                 state = proposer.start(None)
-                t = time.perf_counter()
-                logits = proposer.draft_logits([(state, context, 0, context.shape[0], 4)])[0]
-                target.forward_batch([TargetRow(seq, [0] + argmax_rows(logits).tolist(), 4)])
+
+                def drafted_step():
+                    logits = proposer.draft_logits([(state, context, 0, context.shape[0], 4)])[0]
+                    target.forward_batch([TargetRow(seq, [0] + argmax_rows(logits).tolist(), 4)])
+
+                took = timed(drafted_step, target.device, 1, after=lambda: target.rollback(seq, len(prompt)))
                 if round_:
-                    best_s[i] = min(best_s[i], time.perf_counter() - t)
-                target.rollback(seq, len(prompt))
+                    best_s[i] = min(best_s[i], took)
     finally:
         target.free(seq)
     drafter.to(dtype=torch.float32)

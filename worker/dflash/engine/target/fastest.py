@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
 
-from dflash.engine.costs import TYPICAL_CONTEXT, TYPICAL_NEW_TOKENS, bench_context, keyed_file, probe_prompt, write_keyed
+from dflash.engine.costs import (TYPICAL_CONTEXT, TYPICAL_NEW_TOKENS, bench_context, keyed_file, probe_prompt, timed,
+                                 write_keyed)
 from dflash.engine.knobs import SpeculativeConfig
 from dflash.engine.policy import Prior, expected_tokens
 from dflash.engine.target.protocol import TargetRow
@@ -44,16 +44,18 @@ def step_seconds(target, layer_ids: tuple[int, ...] = (), repeats: int = REPEATS
     context the choice was priced at (costs.TYPICAL_CONTEXT)."""
     context = bench_context(target, TYPICAL_CONTEXT, 1)
     seq = target.new_sequence()
+    tokens = iter(range(200, 200 + repeats + 1))
     try:
-        prompt = probe_prompt(target, context)
-        target.forward_batch([TargetRow(seq, prompt, 1)], layer_ids)
-        times = []
-        for i in range(repeats + 1):
-            t = time.perf_counter()
-            target.forward_batch([TargetRow(seq, [(200 + i) % target.vocab_size], 1)], layer_ids)
-            times.append(time.perf_counter() - t)
+        target.forward_batch([TargetRow(seq, probe_prompt(target, context), 1)], layer_ids)
+
+        def step():
+            target.forward_batch([TargetRow(seq, [next(tokens) % target.vocab_size], 1)], layer_ids)
+
+        def back():
             target.rollback(seq, context)
-        return statistics.median(times[1:])  # the first is a warm-up
+
+        timed(step, target.device, 1, after=back)  # a warm-up
+        return timed(step, target.device, repeats, reduce=statistics.median, after=back)
     finally:
         target.free(seq)
 
