@@ -37,7 +37,7 @@ from pathlib import Path
 from dflash.errors import DFlashError
 
 KIND = "backend-probe"
-FORMAT = 2  # of a verdict: a kept one of another format is probed again (2: the features asked apart)
+FORMAT = 3  # of a verdict: a kept one of another format is probed again (2: the features asked apart)
 REFERENCE = "hf"
 MARK = "dflash-probe: "  # the child's answers on stdout; anything else it prints is noise
 PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
@@ -82,21 +82,16 @@ class Verdict:
 
 def build_of(backend: str) -> dict:
     """What decides whether `backend`'s native code runs here, besides the CPU and what the
-    caller adds (an export's build): the runtime versions and, for llama.cpp, its library
-    file (a rebuild with other flags changes it)."""
-    from importlib.metadata import PackageNotFoundError, version
+    caller adds (an export's build): its runtime's version and, for llama.cpp, its library
+    files (a rebuild with other flags changes them)."""
+    from dflash.engine.target.fastest import runtime_versions
 
-    def ver(pkg):
-        try:
-            return version(pkg)
-        except PackageNotFoundError:
-            return None
-
+    versions = runtime_versions()
     if backend == "llamacpp":
-        return {"llama-cpp-python": ver("llama-cpp-python"), "library": _library_stamp()}
+        return {"llama-cpp-python": versions["llama-cpp-python"], "library": _library_stamp()}
     if backend.startswith("ort"):
-        return {"onnxruntime": ver("onnxruntime")}
-    return {"torch": ver("torch"), "transformers": ver("transformers")}
+        return {"onnxruntime": versions["onnxruntime"]}
+    return {"torch": versions["torch"]}
 
 
 def _library_stamp() -> str | None:
