@@ -143,13 +143,17 @@ def cmd_models(args) -> int:
         info["models"] = {name: {"folder": str(ensure_target(name)), "gguf": str(model_gguf(name))}
                           for name in dict.fromkeys(args.names)}
     if builder_version() is not None:  # the ort backend's exports, made now rather than at the first start
-        from dflash.convert import onnx_q41
+        from dflash.convert import onnx_gguf, onnx_q41
 
         info["target_onnx"] = str(ensure_export(target, onnx_export_dir(target), quiet=False))
         info["target_onnx_q4_1"] = str(onnx_q41.ensure_export(target, onnx_export_dir(target, onnx_q41.PRECISION),
                                                               onnx_export_dir(target), quiet=False))
         for model in info.get("models", {}).values():  # so that auto can choose ort for them too
             model["onnx"] = str(ensure_export(model["folder"], onnx_export_dir(model["folder"]), quiet=False))
+            if onnx_gguf.file_type(model["gguf"]) is not None:  # and the build with the file's blocks exactly
+                model["onnx_q4_k_m"] = str(onnx_gguf.ensure_export(
+                    model["folder"], onnx_export_dir(model["folder"], onnx_gguf.PRECISION),
+                    onnx_export_dir(model["folder"]), model["gguf"], quiet=False))
     # Each target backend probed here now (once per CPU and build), not at the first start.
     from dflash.loading import doctor_report
     from dflash.model_files import resolve_target
