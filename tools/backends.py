@@ -36,6 +36,7 @@ LENGTHS = (1, 2, 3, 4, 8, 16)
 BATCHES = (2, 4, 8)
 DRAFTS = (2, 4, 8, 16)
 PREFILL = PREFILL_TOKENS  # the prompt a typical request prefills
+STATISTICS = {"median": "targets", "fastest": "fastest"}  # of the rounds: the report's key holding it
 
 
 def _ids(n: int, offset: int = 0) -> list[int]:
@@ -43,7 +44,7 @@ def _ids(n: int, offset: int = 0) -> list[int]:
 
 
 def time_targets(targets: dict, layers: tuple[int, ...], repeats: int, batches: bool = True) -> dict:
-    """Each shape's median seconds per backend, the backends timed in turn in every round."""
+    """Each shape's seconds per backend and round, the backends timed in turn in every round."""
     seqs = {}
     for name, target in targets.items():
         seqs[name] = [target.new_sequence() for _ in range(max(BATCHES))]
@@ -58,7 +59,7 @@ def time_targets(targets: dict, layers: tuple[int, ...], repeats: int, batches: 
     for name, target in targets.items():
         for s in seqs[name]:
             target.free(s)
-    return {name: {k: statistics.median(v[1:]) for k, v in by.items()} for name, by in samples.items()}
+    return {name: {k: v[1:] for k, v in by.items()} for name, by in samples.items()}  # the first round warms up
 
 
 def _time_shape(target, seqs, kind: str, n: int, layers) -> float:
@@ -105,6 +106,11 @@ def main(argv=None) -> int:
                    "without the project's drafter is timed with no feature layers, and no drafter")
     p.add_argument("--backends", help="comma-separated backends (default: every one that runs here)")
     p.add_argument("--no-batches", action="store_true", help="skip the several-sequence shapes (B2-B8)")
+    p.add_argument("--doc", help="also write the target table into this page's section backends-TARGET "
+                   "(<!-- backends-TARGET:start --> ... :end -->)")
+    p.add_argument("--statistic", choices=tuple(STATISTICS), default="median",
+                   help="what --doc's table shows of each shape's rounds (default: the median)")
+    p.add_argument("--note", default="", help="a line said with the table in --doc (how the machine was shared)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     files = resolve_target(args.target, quiet=True)
@@ -112,9 +118,10 @@ def main(argv=None) -> int:
     drafter_dir = default_drafter_dir()[0]
     drafter, sha = load_versioned(drafter_dir) if own_drafter else (None, None)
     layers = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
-    report = {"cpu": cpu_name(), "threads": args.threads, "context": CONTEXT, "target": files.folder.name,
+    report = {"command": "python -m tools.backends " + " ".join(sys.argv[1:] if argv is None else argv),
+              "cpu": cpu_name(), "threads": args.threads, "context": CONTEXT, "target": files.folder.name,
               "gguf": str(files.gguf) if files.gguf else None, "layers": list(layers),
-              "load_average": list(os.getloadavg()), "targets": {}, "drafter": {}, "not_run": {}}
+              "repeats": args.repeats, "load_average": list(os.getloadavg()), "targets": {}, "drafter": {}, "not_run": {}}
     builders = target_builders(files.folder, gguf=files.gguf)
     wanted = args.backends.split(",") if args.backends else list(builders)
     targets = {}
@@ -124,7 +131,12 @@ def main(argv=None) -> int:
             report["not_run"][name] = build.why_not
             continue
         targets[name] = build()
-    report["targets"] = time_targets(targets, layers, args.repeats, batches=not args.no_batches)
+    samples = time_targets(targets, layers, args.repeats, batches=not args.no_batches)
+    report["targets"] = {name: {k: statistics.median(v) for k, v in by.items()} for name, by in samples.items()}
+    # The fastest round too: on a machine other jobs share, a slow moment only ever adds time
+    # (there llama.cpp's plain step on the 1.5B took 40 ms in quiet rounds and 3.1 s in busy ones).
+    report["fastest"] = {name: {k: min(v) for k, v in by.items()} for name, by in samples.items()}
+    report["rounds"] = samples
     report["load_average_after"] = list(os.getloadavg())
     for name, t in report["targets"].items():
         print(f"{name}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in t.items()) + " ms", file=sys.stderr)
@@ -142,22 +154,38 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "backends.json").write_text(json.dumps(report, indent=1) + "\n")
     print(markdown(report))
+    if args.doc:
+        write_section(report, Path(args.doc), out / "backends.json", args.note, args.statistic)
     return 0
 
 
-def markdown(report: dict) -> str:
-    first = next(iter(report["targets"].values()), {})
+def write_section(report: dict, doc: Path, source: Path, note: str = "", statistic: str = "median") -> Path:
+    """The target backends' table (`statistic` of the rounds, STATISTICS) as the generated
+    section backends-TARGET of `doc`."""
+    from dflash.bench.sections import markers, replace_section
+
+    start, end = markers(f"backends-{report['target']}")
+    load = ", ".join(f"{x:.1f}" for x in report["load_average"][:1] + report["load_average_after"][:1])
+    body = (f"{start}\n_Generated from `{report.get('command', 'python -m tools.backends')}` "
+            f"([{source.name}]({os.path.relpath(source, doc.parent)})); load average before, after: {load}. {note}_\n\n"
+            + markdown(report, drafter=False, statistic=statistic) + end)
+    return replace_section(doc, start, end, body)
+
+
+def markdown(report: dict, drafter: bool = True, statistic: str = "median") -> str:
+    by_backend = report[STATISTICS[statistic]]
+    first = next(iter(by_backend.values()), {})
     shapes = [s for s in [f"T{T}" for T in LENGTHS] + [f"B{B}" for B in BATCHES] + [f"P{PREFILL}"] if s in first]
     label = {"T": lambda n: f"B1 T{n}", "B": lambda n: f"B{n} T1", "P": lambda n: f"prefill {n}"}
     head = ("| backend | " + " | ".join(label[s[0]](s[1:]) for s in shapes) + " |\n"
             + "|---" * (len(shapes) + 1) + "|\n")
     rows = []
-    for name, t in report["targets"].items():
+    for name, t in by_backend.items():
         plain = t["T1"]
         rows.append(f"| {name} | " + " | ".join(f"{t[s] * 1e3:.1f} ({t[s] / plain:.2f})" for s in shapes) + " |")
-    text = (f"{report['cpu']}, {report['threads']} threads, {report['context']}-token context; ms (multiple of the "
-            f"backend's plain step)\n\n" + head + "\n".join(rows) + "\n")
-    if report["drafter"]:
+    text = (f"{report['cpu']}, {report['threads']} threads, {report['context']}-token context; ms, the {statistic} of "
+            f"{report.get('repeats', '')} rounds (multiple of the backend's plain step)\n\n" + head + "\n".join(rows) + "\n")
+    if drafter and report["drafter"]:
         drafts = sorted({k for d in report["drafter"].values() for k in d}, key=lambda k: int(k[1:]))
         text += ("\n| drafter | " + " | ".join(drafts) + " |\n" + "|---" * (len(drafts) + 1) + "|\n"
                  + "\n".join(f"| {k} | " + " | ".join(f"{d[x] * 1e3:.1f}" for x in drafts) + " |"

@@ -332,7 +332,9 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
     key = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "target": Path(target_dir).name,
            "context": TYPICAL_CONTEXT,
            "candidates": sorted(builders), "versions": fastest.runtime_versions(), "dflash": __version__,
-           "ort_build": onnx_target.BUILD, "ort_q4_1_build": onnx_q41.BUILD, "ort_q4_k_m_build": onnx_gguf.BUILD}
+           "ort_build": onnx_target.BUILD, "ort_q4_1_build": onnx_q41.BUILD,
+           # (only where it is a candidate: the choices cached for other targets stay valid)
+           **({"ort_q4_k_m_build": onnx_gguf.BUILD} if "ort-q4_k_m" in builders else {})}
     record = fastest.cached_choice(cost_dir, key)
     if record is not None:
         engine = engine_over(builders[record["choice"]]())
