@@ -1,13 +1,14 @@
 """Greedy agreement between target backends (the run in this folder):
 
-    python agreement.py TARGET_NAME N_NEW OUT.json
+    python agreement.py TARGET_NAME N_NEW OUT.json [PIVOT]
 
-The int8 `ort` backend decodes each prompt greedily (N_NEW tokens or its end), free-running;
-every other backend reads that answer teacher-forced in one forward (logits of every answer
-row). A backend's greedy decoding follows `ort`'s answer exactly up to the first row whose
-argmax differs, so that row is where the two free-running answers first differ. Between two
-other backends B and C: both follow `ort` up to min(d_B, d_C); there their argmaxes are
-compared (a tie in that row and both off `ort`'s answer is reported as ">= row"). Caveat:
+The PIVOT backend (default `ort`) decodes each prompt greedily (N_NEW tokens or its end),
+free-running; every other backend reads that answer teacher-forced in one forward (logits
+of every answer row). A backend's greedy decoding follows the pivot's answer exactly up to
+the first row whose argmax differs, so that row is where the two free-running answers first
+differ. Between two other backends B and C: both follow the pivot up to min(d_B, d_C); there
+their argmaxes are compared (the same token there, both off the pivot's answer, is reported
+as ">= row": they agree at least that far). Caveat:
 llama.cpp reads the answer in one batched call, whose kernels can round otherwise than its
 one-token steps.
 """
@@ -26,7 +27,7 @@ PROMPTS = [
     "Extract the name and city as JSON: Mara Quill lives in Denver and works at a bakery.",
     "Write a bash one-liner that counts the lines of every .py file under the current directory.",
 ]
-PIVOT = "ort"
+BACKENDS = ("ort", "hf", "llamacpp", "ort-q4_k_m")
 
 def greedy(target, ids, n):
     seq, out = target.new_sequence(), []
@@ -51,6 +52,7 @@ def first_off(a, b):
 
 def main():
     name, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    PIVOT = sys.argv[4] if len(sys.argv) > 4 else "ort"
     torch.set_num_threads(2)
     files = resolve_target(name, quiet=True)
     builders = target_builders(files.folder, gguf=files.gguf)
@@ -60,7 +62,7 @@ def main():
     answers = [greedy(pivot, ids, n) for ids in prompts]
     del pivot
     argmax, seconds = {PIVOT: answers}, {PIVOT: time.time() - t0}
-    for b in ("hf", "llamacpp", "ort-q4_k_m"):
+    for b in (b for b in BACKENDS if b != PIVOT):
         t0 = time.time()
         target = builders[b]()
         argmax[b] = [forced(target, ids, a) for ids, a in zip(prompts, answers)]
