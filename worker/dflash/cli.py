@@ -144,6 +144,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_models(args) -> int:
+    from pathlib import Path
+
     from dflash.model_files import ensure_default_drafter, ensure_default_target, ensure_target, model_listing
     from dflash.model_files import model_gguf, named_model
 
@@ -165,16 +167,24 @@ def cmd_models(args) -> int:
         info["models"] = {name: {"folder": str(ensure_target(name)), "gguf": str(model_gguf(name))}
                           for name in dict.fromkeys(args.names)}
     if builder_version() is not None:  # the ort backend's exports, made now rather than at the first start
-        from dflash.convert import onnx_q41
+        from dflash.convert import onnx_gguf, onnx_q41
 
         info["target_onnx"] = str(ensure_export(target, onnx_export_dir(target), quiet=False))
         info["target_onnx_q4_1"] = str(onnx_q41.ensure_export(target, onnx_export_dir(target, onnx_q41.PRECISION),
                                                               onnx_export_dir(target), quiet=False))
+        for model in info.get("models", {}).values():  # so that auto can choose ort for them too
+            model["onnx"] = str(ensure_export(model["folder"], onnx_export_dir(model["folder"]), quiet=False))
+            if onnx_gguf.file_type(model["gguf"]) is not None:  # and the build with the file's blocks exactly
+                model["onnx_q4_k_m"] = str(onnx_gguf.ensure_export(
+                    model["folder"], onnx_export_dir(model["folder"], onnx_gguf.PRECISION),
+                    onnx_export_dir(model["folder"]), model["gguf"], quiet=False))
     # Each target backend probed here now (once per CPU and build), not at the first start.
     from dflash.loading import doctor_report
     from dflash.model_files import resolve_target
 
     info["backends"] = doctor_report(target, resolve_target(None).gguf)["backends"]
+    for model in info.get("models", {}).values():
+        model["backends"] = doctor_report(model["folder"], Path(model["gguf"]))["backends"]
     print(json.dumps(info) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
     if is_random:
         print(RANDOM_DRAFTER_WARNING, file=sys.stderr)

@@ -63,7 +63,7 @@ def load_versioned(path: str | Path, device="cpu", dtype=None) -> tuple[object, 
     return model, model_digest(model)
 
 
-TARGET_BACKENDS = ("auto", "hf", "llamacpp", "ort", "ort-q4_1")
+TARGET_BACKENDS = ("auto", "hf", "llamacpp", "ort", "ort-q4_1", "ort-q4_k_m")
 
 
 def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "float32", random_drafter=False,
@@ -179,7 +179,7 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     """Every target backend's builder for this target, device and dtype (see _Builder)."""
     import torch
 
-    from dflash.convert import onnx_q41
+    from dflash.convert import onnx_gguf, onnx_q41
     from dflash.convert.onnx_target import BUILD as onnx_target_build
     from dflash.convert.onnx_target import builder_version, ensure_export, is_current
     from dflash.engine.dtypes import DTYPES
@@ -191,6 +191,8 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     export, export_q41 = onnx_export_dir(target_dir), onnx_export_dir(target_dir, onnx_q41.PRECISION)
     exported = is_current(Path(target_dir), export)
     exported_q41 = onnx_q41.is_current(Path(target_dir), export_q41)
+    export_gguf = onnx_export_dir(target_dir, onnx_gguf.PRECISION)
+    exported_gguf = onnx_gguf.is_current(Path(target_dir), export_gguf, gguf)
 
     def hf():
         return HFTarget.from_pretrained(target_dir, device=device, dtype=DTYPES[dtype])
@@ -215,6 +217,10 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
         return ort.OrtTarget(onnx_q41.ensure_export(target_dir, export_q41, export, quiet=False), target_dir,
                              threads=torch.get_num_threads())
 
+    def onnx_gguf_target():
+        return ort.OrtTarget(onnx_gguf.ensure_export(target_dir, export_gguf, export, gguf, quiet=False), target_dir,
+                             threads=torch.get_num_threads())
+
     ort_missing = cpu32 or (None if ort.available() else "onnxruntime is not installed")
     where = {"target_dir": str(target_dir), "device": device, "dtype": dtype, "gguf": str(gguf) if gguf else None}
 
@@ -237,7 +243,26 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
             None if builder_version() or exported or exported_q41
             else "onnxruntime-genai (the exporter) is not installed (make setup installs it)"), ready=exported_q41,
             **native("ort-q4_1", onnx_q41.BUILD)),
+        "ort-q4_k_m": _Builder(onnx_gguf_target, ort_missing or _gguf_why_not(gguf, exported or exported_gguf),
+                               ready=exported_gguf, **native("ort-q4_k_m", onnx_gguf.BUILD)),
     }
+
+
+def _gguf_why_not(gguf: Path | None, exported: bool) -> str | None:
+    """Why the ort backend's q4_k_m build cannot run a target (None: it can): it takes the
+    blocks of a Q4_K_M (or Q4_K_S) GGUF, and its export needs the builder."""
+    from dflash.convert import onnx_gguf
+    from dflash.convert.onnx_target import builder_version
+
+    if gguf is None or not Path(gguf).is_file():
+        return "the target has no GGUF file (the q4_k_m build holds a Q4_K_M file's blocks)"
+    try:
+        kind = onnx_gguf.file_type(gguf)
+    except DFlashError as exc:
+        return exc.message
+    if kind is None:
+        return f"{Path(gguf).name} is not a Q4_K_M or Q4_K_S file"
+    return None if builder_version() or exported else "onnxruntime-genai (the exporter) is not installed"
 
 
 def doctor_report(target_dir, gguf: Path | None = None, reprobe: bool = False) -> dict:
@@ -306,14 +331,16 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
     import torch
 
     from dflash import __version__
-    from dflash.convert import onnx_q41, onnx_target
+    from dflash.convert import onnx_gguf, onnx_q41, onnx_target
     from dflash.engine.costs import TYPICAL_CONTEXT, cpu_name, spot_prices
     from dflash.engine.target import fastest
 
     key = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "target": Path(target_dir).name,
            "context": TYPICAL_CONTEXT,
            "candidates": sorted(builders), "versions": fastest.runtime_versions(), "dflash": __version__,
-           "ort_build": onnx_target.BUILD, "ort_q4_1_build": onnx_q41.BUILD}
+           "ort_build": onnx_target.BUILD, "ort_q4_1_build": onnx_q41.BUILD,
+           # (only where it is a candidate: the choices cached for other targets stay valid)
+           **({"ort_q4_k_m_build": onnx_gguf.BUILD} if "ort-q4_k_m" in builders else {})}
     record = fastest.cached_choice(cost_dir, key)
     if record is not None:
         engine = engine_over(builders[record["choice"]]())

@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.convert import onnx_target
@@ -41,7 +42,20 @@ FORMAT = 1  # bump when the rewrite below changes
 # What the export is made as; `min_rows`: the fewest rows a call runs (module doc).
 BUILD = {"format": FORMAT, "precision": PRECISION, "block_size": BLOCK, "min_rows": 2,
          "int8_export": onnx_target.BUILD}
-_LAYER = re.compile(r"/model/layers\.(\d+)/(attn|mlp)/(\w+_proj)/MatMul")
+LAYER = re.compile(r"/model/layers\.(\d+)/(attn|mlp)/(\w+_proj)/MatMul")
+
+
+@dataclass
+class Blocks:
+    """A matrix [N, K] as a MatMulNBits node holds it: w = scale * (q - zero) + remainder per
+    block of `size` (`blocks_node` writes it; dflash.convert.onnx_gguf reads GGUF files into it)."""
+
+    bits: int
+    size: int  # weights per block
+    q: object  # uint8 [N, K / size, size]
+    scale: object  # float32 [N, K / size]
+    zero: object  # uint8 [N, K / size]
+    remainder: object | None  # float32 [N, K / size]; None where every block's is 0
 
 
 def is_current(hf_dir: Path, out: Path) -> bool:
@@ -59,16 +73,24 @@ def ensure_export(hf_dir: str | Path, out: str | Path, int8_dir: str | Path, qui
     hf_dir, out = Path(hf_dir), Path(out)
     if is_current(hf_dir, out):
         return out / MODEL_FILE
+    return from_int8_export(hf_dir, out, int8_dir, _key(hf_dir), "its Q4_1 weights",
+                            lambda src, dst: rewrite(src, _weights(hf_dir), dst, hf_dir), quiet)
+
+
+def from_int8_export(hf_dir: Path, out: Path, int8_dir, key: dict, what: str, write, quiet: bool) -> Path:
+    """A build rewritten from the int8 export (made first in `int8_dir` if need be) by
+    `write(int8 model file, new model file)`, published in `out` with its batch graphs and
+    the manifest `key`: whole or not at all; the model file."""
     source = onnx_target.ensure_export(hf_dir, Path(int8_dir), quiet=quiet)
     if not quiet:
         import sys
 
-        print(f"rewriting {hf_dir.name}'s ONNX graph with its Q4_1 weights exactly (once) ...", file=sys.stderr)
+        print(f"rewriting {hf_dir.name}'s ONNX graph with {what} exactly (once) ...", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        rewrite(source, _weights(hf_dir), work / MODEL_FILE, hf_dir)
-        onnx_target.publish(work, _key(hf_dir), out)
+        write(source, work / MODEL_FILE)
+        onnx_target.publish(work, key, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out / MODEL_FILE
@@ -132,7 +154,7 @@ def _source(name: str, weights: dict, hf_dir: Path):
 
     if name.startswith("/lm_head/"):
         return weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))
-    m = _LAYER.match(name)
+    m = LAYER.match(name)
     if not m:
         raise DFlashError("bad_target", f"{hf_dir}: the ONNX graph's layer {name} is not one this build maps")
     layer, part, proj = m.groups()
@@ -146,60 +168,90 @@ def _source(name: str, weights: dict, hf_dir: Path):
 def rewrite(src: Path, weights: dict, dst: Path, hf_dir: Path) -> None:
     """The int8 graph `src` with every layer's weights as exact Q4_1 blocks (module doc)."""
     import numpy as np
+
+    def replace(g, n, attrs: dict, sums: dict):
+        w = _source(n.name, weights, hf_dir)
+        if w is None or tuple(w.shape) != (attrs["N"], attrs["K"]):
+            raise DFlashError("bad_target", f"{hf_dir}: its weights do not fit the ONNX graph's layer {n.name}")
+        if n.name.startswith("/lm_head/"):
+            head = q8_0_blocks(w)
+            if head is None:  # the int8 export's head stays
+                return None
+            q, d = head
+            blocks = Blocks(8, BLOCK, q, d, np.full(d.shape, 128, np.uint8), None)
+        else:
+            got = q4_1_blocks(w)
+            if got is None:
+                raise DFlashError("bad_target", f"{hf_dir}: the weights of {n.name} are not Q4_1 blocks of {BLOCK} "
+                                                f"(the {PRECISION} build is for targets that ship as Q4_1)")
+            blocks = Blocks(4, BLOCK, *got)
+        return blocks_node(g, n, n.name, blocks, n.output[0], sums, attrs["accuracy_level"])
+
+    rewrite_matmuls(src, dst, replace)
+
+
+def rewrite_matmuls(src: Path, dst: Path, replace) -> None:
+    """The graph `src` with each MatMulNBits node n replaced by the nodes `replace(graph, n,
+    its attributes, sums)` returns (None keeps n; `sums` is blocks_node's cache), saved as
+    `dst` with its weights in one data file beside it, less the weights nothing reads now."""
     import onnx
-    from onnx import helper, numpy_helper
 
     model = onnx.load(str(src))
     g = model.graph
-    inits = {i.name: i for i in g.initializer}
-    nodes, sums = [], {}
+    nodes, sums, dead = [], {}, set()
     for n in g.node:
-        nodes.append(n)
-        if n.op_type != "MatMulNBits":
+        new = replace(g, n, {a.name: a.i for a in n.attribute}, sums) if n.op_type == "MatMulNBits" else None
+        if new is None:
+            nodes.append(n)
             continue
-        attrs = {a.name: a for a in n.attribute}
-        w = _source(n.name, weights, hf_dir)
-        if w is None or tuple(w.shape) != (attrs["N"].i, attrs["K"].i):
-            raise DFlashError("bad_target", f"{hf_dir}: its weights do not fit the ONNX graph's layer {n.name}")
-        if n.name.startswith("/lm_head/"):
-            blocks = q8_0_blocks(w)
-            if blocks is not None:  # else the int8 export's head stays
-                q, d = blocks
-                inits[n.input[1]].CopyFrom(numpy_helper.from_array(q, n.input[1]))
-                inits[n.input[2]].CopyFrom(numpy_helper.from_array(d, n.input[2]))
-                attrs["block_size"].i = BLOCK
-            continue
-        blocks = q4_1_blocks(w)
-        if blocks is None:
-            raise DFlashError("bad_target", f"{hf_dir}: the weights of {n.name} are not Q4_1 blocks of {BLOCK} "
-                                            f"(the {PRECISION} build is for targets that ship as Q4_1)")
-        q, d, z, r = blocks
-        N, nb = d.shape
-        attrs["bits"].i, attrs["block_size"].i = 4, BLOCK
-        inits[n.input[1]].CopyFrom(numpy_helper.from_array(q[..., 0::2] | (q[..., 1::2] << 4), n.input[1]))
-        inits[n.input[2]].CopyFrom(numpy_helper.from_array(d, n.input[2]))
-        zz = z if nb % 2 == 0 else np.concatenate([z, np.zeros((N, 1), np.uint8)], 1)
-        zero_points = f"{n.name}/zero_points"
-        g.initializer.append(numpy_helper.from_array((zz[:, 0::2] | (zz[:, 1::2] << 4)).reshape(-1), zero_points))
-        while len(n.input) < 4:
-            n.input.append("")
-        n.input[3] = zero_points
-        # The remainder: each block's input sum times r, added to the layer's output.
-        x = n.input[0]
-        if x not in sums:
-            shape, axes = f"{x}/block_shape", f"{x}/block_axes"
-            g.initializer.extend([numpy_helper.from_array(np.array([0, 0, nb, BLOCK], np.int64), shape),
-                                  numpy_helper.from_array(np.array([-1], np.int64), axes)])
-            nodes += [helper.make_node("Reshape", [x, shape], [f"{x}/blocks"], name=f"{x}/blocks"),
-                      helper.make_node("ReduceSum", [f"{x}/blocks", axes], [f"{x}/block_sums"], keepdims=0,
-                                       name=f"{x}/block_sums")]
-            sums[x] = f"{x}/block_sums"
-        remainder, y = f"{n.name}/remainder", n.output[0]
-        g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(r.T), remainder))
-        n.output[0] = f"{y}/blocks_part"
-        nodes += [helper.make_node("MatMul", [sums[x], remainder], [f"{y}/remainder_part"], name=f"{n.name}/remainder"),
-                  helper.make_node("Add", [f"{y}/blocks_part", f"{y}/remainder_part"], [y], name=f"{n.name}/add")]
+        dead.update(n.input[1:])
+        nodes += new
+    live = {i for n in nodes for i in n.input}
+    keep = [i for i in g.initializer if i.name not in dead or i.name in live]
+    del g.initializer[:]
+    g.initializer.extend(keep)
     del g.node[:]
     g.node.extend(nodes)
     onnx.save(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
               location=dst.name + ".data", size_threshold=1024)
+
+
+def blocks_node(g, n, name: str, blocks, y: str, sums: dict, accuracy_level: int) -> list:
+    """The nodes that compute `y` = (the input of MatMulNBits node `n`) @ `blocks`' matrix
+    (dflash.convert.onnx_gguf.Blocks: w = scale * (q - zero) + remainder per block): a
+    MatMulNBits node `name` with integer zero points and, where some block has a remainder,
+    each block's input sum times it added (module doc). The weights become initializers of
+    `g` named after `name`; `sums` caches the block sums of an input across nodes."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    N, nb, size = blocks.q.shape
+    x = n.input[0]
+    if blocks.bits == 4:
+        packed = blocks.q[..., 0::2] | (blocks.q[..., 1::2] << 4)
+        z = blocks.zero if nb % 2 == 0 else np.concatenate([blocks.zero, np.zeros((N, 1), np.uint8)], 1)
+        zero = (z[:, 0::2] | (z[:, 1::2] << 4)).reshape(-1)
+    else:
+        packed, zero = blocks.q, blocks.zero.reshape(-1)
+    g.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(packed), f"{name}/weights"),
+                          numpy_helper.from_array(np.ascontiguousarray(blocks.scale, np.float32), f"{name}/scales"),
+                          numpy_helper.from_array(np.ascontiguousarray(zero), f"{name}/zero_points")])
+    out = y if blocks.remainder is None else f"{y}/blocks_part"
+    nodes = [helper.make_node("MatMulNBits", [x, f"{name}/weights", f"{name}/scales", f"{name}/zero_points"], [out],
+                              name=name, domain="com.microsoft", K=nb * size, N=N, bits=blocks.bits,
+                              block_size=size, accuracy_level=accuracy_level)]
+    if blocks.remainder is None:
+        return nodes
+    if (x, size) not in sums:
+        shape, axes = f"{x}/block_shape_{size}", f"{x}/block_axes"
+        g.initializer.append(numpy_helper.from_array(np.array([0, 0, nb, size], np.int64), shape))
+        if not any(i.name == axes for i in g.initializer):
+            g.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), axes))
+        nodes += [helper.make_node("Reshape", [x, shape], [f"{x}/blocks_{size}"], name=f"{x}/blocks_{size}"),
+                  helper.make_node("ReduceSum", [f"{x}/blocks_{size}", axes], [f"{x}/block_sums_{size}"], keepdims=0,
+                                   name=f"{x}/block_sums_{size}")]
+        sums[(x, size)] = f"{x}/block_sums_{size}"
+    g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(blocks.remainder.T), f"{name}/remainder"))
+    return nodes + [helper.make_node("MatMul", [sums[(x, size)], f"{name}/remainder"], [f"{y}/remainder_part"],
+                                     name=f"{name}/remainder"),
+                    helper.make_node("Add", [out, f"{y}/remainder_part"], [y], name=f"{name}/add")]

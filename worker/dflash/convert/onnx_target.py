@@ -57,6 +57,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dflash.convert.target_gguf import MARKER
 from dflash.errors import DFlashError
 from dflash.onnx_export_files import BATCH_GRAPHS, MANIFEST, MODEL_FILE, batch_file
 
@@ -117,6 +118,7 @@ def ensure_export(hf_dir: str | Path, out: str | Path, quiet: bool = True) -> Pa
                                         f"{hf_dir}; make setup installs it")
     if not (hf_dir / "config.json").is_file():
         raise DFlashError("bad_target", f"target directory {hf_dir} has no config.json")
+    what = describe(hf_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
@@ -130,14 +132,32 @@ def ensure_export(hf_dir: str | Path, out: str | Path, quiet: bool = True) -> Pa
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0 or not (built / MODEL_FILE).is_file():
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise DFlashError("bad_target", f"ONNX Runtime's model builder cannot export {hf_dir}: {' | '.join(tail)}")
+            raise DFlashError("bad_target", f"ONNX Runtime's model builder cannot export {what}: {' | '.join(tail)}")
         final = work / "final"
         final.mkdir()
-        edit(built / MODEL_FILE, final / MODEL_FILE)
+        try:
+            edit(built / MODEL_FILE, final / MODEL_FILE)
+        except DFlashError as exc:  # a graph of another shape: say which model and architecture made it
+            raise DFlashError("bad_target", f"the ort backend cannot run {what}: {exc.message}") from None
         publish(final, _source_key(hf_dir), out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out / MODEL_FILE
+
+
+def describe(hf_dir: Path) -> str:
+    """The target folder as an error names it: the folder, its architecture (config.json's)
+    and, for a folder converted from a GGUF file, that file (the conversion's marker)."""
+    try:
+        cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+        arch = (cfg.get("architectures") or [None])[0] or cfg.get("model_type") or "unknown"
+    except (OSError, ValueError, AttributeError):
+        arch = "unknown"
+    try:
+        gguf = json.loads((Path(hf_dir) / MARKER).read_text()).get("gguf")
+    except (OSError, ValueError, AttributeError):
+        gguf = None
+    return f"{hf_dir} (architecture {arch}" + (f", converted from {gguf})" if gguf else ")")
 
 
 def publish(folder: Path, key: dict, out: Path) -> None:
