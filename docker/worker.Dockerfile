@@ -38,7 +38,7 @@ RUN /opt/venv/bin/pip install -q --no-cache-dir --no-index --find-links /wheels 
 # rewritten from it; ONNX Runtime GenAI's model builder is a build-time package here, like the
 # GGUF one).
 COPY worker/dflash/__init__.py worker/dflash/errors.py worker/dflash/model_files.py worker/dflash/onnx_export_files.py /build/dflash/
-COPY worker/dflash/convert/__init__.py worker/dflash/convert/onnx_target.py worker/dflash/convert/onnx_q41.py /build/dflash/convert/
+COPY worker/dflash/convert/__init__.py worker/dflash/convert/target_gguf.py worker/dflash/convert/onnx_target.py worker/dflash/convert/onnx_q41.py /build/dflash/convert/
 RUN cd /build && PG_DFLASH_CACHE=/models TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 /opt/venv/bin/python -c \
     "from dflash.model_files import ensure_default_target, onnx_export_dir; from dflash.convert import onnx_q41; \
 t = ensure_default_target(); print(onnx_q41.ensure_export(t, onnx_export_dir(t, onnx_q41.PRECISION), onnx_export_dir(t)))" \

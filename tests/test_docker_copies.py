@@ -1,0 +1,129 @@
+"""The images copy parts of the worker package into cached build stages (so that other code
+changes keep those layers). A part copied must carry every dflash module that importing its
+entry modules loads: a new import otherwise breaks `make images`, and only CI builds them."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILES = sorted((ROOT / "docker").glob("*.Dockerfile"))
+
+
+def stage_copies(dockerfile: Path) -> dict[str, set[str]]:
+    """The worker/dflash paths each build stage copies from the context, keyed by stage."""
+    stages: dict[str, set[str]] = {}
+    stage = "?"
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    for line in text.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if words[0].upper() == "FROM":
+            stage = words[-1] if len(words) >= 4 and words[-2].upper() == "AS" else words[1]
+        elif words[0].upper() == "COPY" and not any(w.startswith("--from") for w in words):
+            sources = [w for w in words[1:-1] if not w.startswith("--")]
+            ours = {s for s in sources if s.startswith("worker")}
+            if ours:
+                stages.setdefault(stage, set()).update(ours)
+    return stages
+
+
+def copied_modules(sources: set[str]) -> dict[str, Path]:
+    modules = {}
+    for source in sources:
+        path = ROOT / source
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        for file in files:
+            rel = file.relative_to(ROOT / "worker").with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            modules[".".join(parts)] = file
+    return modules
+
+
+def module_level_imports(file: Path, module: str) -> set[str]:
+    """The dflash modules `file` imports when it is imported (not those inside functions)."""
+    package = module if file.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    nodes = list(ast.parse(file.read_text()).body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            nodes.extend(d for d in node.decorator_list)
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - (node.level - 1)] + ([base] if base else []))
+            found.add(base)
+            # `from dflash.convert import onnx_q41` imports a module, not a name
+            found.update(f"{base}.{a.name}" for a in node.names)
+        nodes.extend(ast.iter_child_nodes(node))
+    return {name for name in found if name == "dflash" or name.startswith("dflash.")}
+
+
+def closure(entries: set[str], files: dict[str, Path]) -> set[str]:
+    """Every dflash module importing `entries` loads, with their parent packages."""
+    seen, todo = set(), list(entries)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in files:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))  # parents run first
+        todo.extend(module_level_imports(files[name], name))
+    return seen & set(files)
+
+
+def run_entries(dockerfile: Path, stage: str) -> set[str]:
+    """The dflash modules a stage's RUN lines import (`python -c "from dflash.x import ..."`),
+    and, for the extension's build, the worker client files its Makefile installs."""
+    entries = set()
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    current = "?"
+    for line in text.splitlines():
+        words = line.split()
+        if words and words[0].upper() == "FROM":
+            current = words[-1] if len(words) >= 4 and words[-2].upper() == "AS" else words[1]
+        elif words and words[0].upper() == "RUN" and current == stage:
+            entries.update(re.findall(r"\b(?:from|import)\s+(dflash(?:\.\w+)*)", line))
+            if "extension" in line:
+                make = (ROOT / "extension" / "Makefile").read_text()
+                for path in re.findall(r"\.\./(worker/dflash/\S+\.py)", make):
+                    rel = Path(path).relative_to("worker").with_suffix("")
+                    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+                    entries.add(".".join(parts))
+    return entries
+
+
+FILES = copied_modules({"worker/dflash"})
+CASES = [(f, stage, sources) for f in DOCKERFILES for stage, sources in stage_copies(f).items()
+         if "worker" not in sources]  # a stage copying the whole tree has nothing to miss
+
+
+def test_the_images_copy_parts_of_the_package():
+    assert CASES, "the Dockerfiles no longer copy parts of worker/dflash: drop this test"
+    for dockerfile, stage, _ in CASES:
+        assert run_entries(dockerfile, stage), f"{dockerfile.name}:{stage}: no dflash entry found"
+
+
+@pytest.mark.parametrize(("dockerfile", "stage", "sources"), CASES,
+                         ids=[f"{d.name}:{s}" for d, s, _ in CASES])
+def test_a_copied_part_carries_what_it_imports(dockerfile, stage, sources):
+    have = copied_modules(sources)
+    missing = closure(run_entries(dockerfile, stage), FILES) - set(have)
+    assert not missing, f"docker/{dockerfile.name}, stage {stage}: copy these too: {sorted(missing)}"
+
+
+def test_the_check_sees_a_missing_module():
+    # model_files imports convert.target_gguf when imported: copying model_files alone is caught
+    assert "dflash.convert.target_gguf" in closure({"dflash.model_files"}, FILES)
+    assert "dflash.engine.drafter" not in closure({"dflash.model_files"}, FILES)  # inside functions
