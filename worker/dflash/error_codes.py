@@ -61,10 +61,11 @@ ERROR_CODES = (
     _bad("bad_regex", "regex is not a string the grammar library compiles (Rust's regex syntax: no look-around, "
                       "no back-references)"),
     _bad("bad_choices", "choices is not a non-empty list of non-empty strings"),
-    _bad("conflicting_constraints", "more than one of json_schema, regex and choices"),
-    _bad("unsupported_option", "an option this worker cannot honour: json_schema, regex and choices (checked, not "
-                               "yet applied by the decoding step); with --backend openai also block_size and so "
-                               "generate_block, verify"),
+    _bad("conflicting_constraints", "more than one of json_schema, regex and choices, or one of them with stop "
+                                    "strings or stop ids (the grammar decides where the answer ends)"),
+    _bad("unsupported_option", "an option this worker cannot honour: with --backend openai block_size and so "
+                               "generate_block, verify, json_schema, regex and choices; a constraint on a target "
+                               "without a tokenizer"),
     ErrorCode("context_exceeded", "54000", "the prompt plus max_new_tokens does not fit the target's context",
               "shorten the prompt or ask for fewer new tokens"),
     ErrorCode("frame_too_large", "54000", "a frame over the receiver's limit: a request over the worker's "
