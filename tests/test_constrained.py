@@ -184,3 +184,47 @@ def test_a_target_without_a_tokenizer_cannot_take_a_constraint(tiny_engine):
     with pytest.raises(DFlashError) as err:
         tiny_engine.admit(GenerationRequest(input_ids=[1, 2, 3], max_new_tokens=4, choices=["a"]))
     assert err.value.code == "unsupported_option" and "tokenizer" in err.value.message
+
+
+# --- the forced-token proposer ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_forced_drafts_are_kept_every_time(tiny_text_engine, temperature):
+    """The tokens the grammar forces, drafted with confidence 1 by the forced proposer alone:
+    every one the target verifies it keeps (its masked row allows nothing else), greedy or
+    sampled, and the greedy output is constrained plain decoding's."""
+    res = generate(tiny_text_engine, {"json_schema": TICKET}, proposers=("forced",), temperature=temperature,
+                   seed=3 if temperature else None, max_new_tokens=60)
+    forced = res.stats.by_proposer["forced"]
+    assert set(res.stats.by_proposer) == {"forced"}
+    assert forced["steps"] > 0 and forced["accepted"] == forced["drafted"] >= len(res.output_ids) // 3
+    if not temperature:
+        assert res.output_ids == reference(tiny_text_engine, res.prompt_ids, {"json_schema": TICKET}, 60)
+
+
+def test_the_forced_proposer_joins_constrained_auto_requests_only(tiny_text_engine):
+    proposer = tiny_text_engine.proposer("forced")
+    assert proposer is not None and "forced" in tiny_text_engine.status()["proposers"]
+    for req, joins in ((GenerationRequest(prompt="x", choices=LABELS), True),
+                       (GenerationRequest(prompt="x"), False),
+                       (GenerationRequest(prompt="x", choices=LABELS, block_size=4), False),
+                       (GenerationRequest(prompt="x", choices=LABELS, proposers=("suffix",)), False)):
+        state = tiny_text_engine.admit(req)
+        assert ("forced" in state.proposals) == joins, req
+        tiny_text_engine.release(state)
+
+
+def test_a_forced_offer_is_the_forced_run_within_the_step(tiny_text_engine):
+    state = tiny_text_engine.admit(GenerationRequest(prompt="x", json_schema=TICKET))
+    proposer = tiny_text_engine.proposer("forced")
+    run = state.constraint.forced()
+    assert len(run) > 2  # '{"plan": "' as the tokenizer writes it
+    long, short, none = proposer.offer([(state, 16), (state, 3), (state, 1)])
+    assert long.draft.tokens.tolist() == run and long.draft.confidence == [1.0] * len(run)
+    assert short.draft.tokens.tolist() == run[:2] and none is None
+    # after a whole enum value the grammar has one way on (`", "priority": `): the offer follows the matcher
+    state.constraint.advance(run + tiny_text_engine.tokenizer.encode("pro", add_special_tokens=False))
+    after = state.constraint.forced()
+    assert after and proposer.offer([(state, 16)])[0].draft.tokens.tolist() == after
+    tiny_text_engine.release(state)
