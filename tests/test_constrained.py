@@ -199,6 +199,7 @@ def test_forced_drafts_are_kept_every_time(tiny_text_engine, temperature):
     forced = res.stats.by_proposer["forced"]
     assert set(res.stats.by_proposer) == {"forced"}
     assert forced["steps"] > 0 and forced["accepted"] == forced["drafted"] >= len(res.output_ids) // 3
+    assert res.stats.forced_tokens == forced["accepted"] == res.stats.to_dict()["forced_tokens"]
     if not temperature:
         assert res.output_ids == reference(tiny_text_engine, res.prompt_ids, {"json_schema": TICKET}, 60)
 

@@ -66,3 +66,6 @@ class Forced(BaseProposer):
             out.append(Offer(NAME, self, Draft(torch.from_numpy(np.array(run, dtype=np.int64)), None,
                                                [1.0] * len(run)), self.price) if run else None)
         return out
+
+    def outcome(self, state, offer, confidence, verify_len, accepted) -> None:
+        state.stats.forced_tokens += accepted
