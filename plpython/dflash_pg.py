@@ -14,7 +14,11 @@ import json
 from dflash import error_codes  # each worker error code's SQLSTATE and hint: one table
 from dflash.serve.client import Client, WorkerError
 from dflash.options import SQL_OPTIONS
-from dflash.serve.protocol import HISTORY_TOKENS, pg_text, wants_prior, wants_workload, workload_key
+from dflash.serve.protocol import HISTORY_TOKENS, cut_short, pg_text, wants_prior, wants_workload, workload_key
+
+# dflash_classify's prompt: the input with the labels to choose from (the answer is then
+# constrained to be exactly one of them).
+CLASSIFY_PROMPT = "Classify the text below. Answer with exactly one of these labels: {labels}.\n\nText: {text}"
 
 
 def settings(plpy):
@@ -69,7 +73,20 @@ def generation_params(plpy, fn, prompt, args):
                                                                       "top_k", "chat") if k in args})
     params = {"prompt": prompt}
     params.update({k: args[k] for k in SQL_OPTIONS if k in args and args[k] is not None})
+    if isinstance(params.get("json_schema"), str):  # a jsonb argument comes as its text
+        params["json_schema"] = json.loads(params["json_schema"])
+    if "choices" in params and any(c is None for c in params["choices"]):
+        fail(plpy, f"{fn}: choices must not contain NULL", "22004")
     return params
+
+
+def whole(plpy, fn, result):
+    """A constrained answer that max_new_tokens cut short is an error, never an answer."""
+    why = cut_short(result)
+    if why is not None:
+        state, hint = error_codes.sqlstate("truncated")
+        fail(plpy, f"{fn}: {why}", state, hint=hint, detail="worker error code: truncated")
+    return result
 
 
 # --- recording ----------------------------------------------------------------------------
@@ -138,7 +155,9 @@ def workload_prior(plpy, source_table=None):
     return {k: prior[k] for k in ("accepted", "judged")} if prior["generations"] else None
 
 
-def generate(plpy, fn, prompt, args, mode="sync", source_table=None):
+def generate(plpy, fn, prompt, args, mode="sync", source_table=None, cut_ok=False):
+    """One generation, recorded. `cut_ok`: an answer cut short of its form is returned (with
+    "truncated": true) rather than refused (dflash_generate_stats)."""
     import time
 
     params = generation_params(plpy, fn, prompt, args)
@@ -152,6 +171,8 @@ def generate(plpy, fn, prompt, args, mode="sync", source_table=None):
         request["prior"] = workload_prior(plpy, source_table)
     history = workload(plpy, request, source_table) if wants_workload(params) else None
     result = pg_text(call(plpy, "generate", request, cfg, history))
+    if not cut_ok:
+        whole(plpy, fn, result)
     total_ms = (time.monotonic() - t) * 1000
     result["generation_id"] = record(plpy, mode, params, result, total_ms, source_table)
     result.pop("memory", None)  # stored; not part of what the caller sees
@@ -177,11 +198,33 @@ def generate_many(plpy, prompts, args):
     if wants_prior(params):
         request["prior"] = workload_prior(plpy)
     history = workload(plpy, request) if wants_workload(params) else None
-    results = pg_text(call(plpy, "generate_many", request, cfg, history))["results"]
+    results = [whole(plpy, "dflash_generate", r) for r in
+               pg_text(call(plpy, "generate_many", request, cfg, history))["results"]]
     total_ms = (time.monotonic() - t) * 1000
     for prompt, result in zip(prompts, results):
         record(plpy, "sync", dict(params, prompt=prompt), result, total_ms)
     return [r["text"] for r in results]
+
+
+def generate_json(plpy, prompt, schema, args):
+    """dflash_generate_json: a JSON value that validates against `schema` (returned as jsonb)."""
+    _check_not_null(plpy, "dflash_generate_json", schema=schema)
+    return generate(plpy, "dflash_generate_json", prompt, dict(args, json_schema=schema))["text"]
+
+
+def classify(plpy, text, labels, args):
+    """dflash_classify: the label out of `labels` the model gives the text."""
+    _check_not_null(plpy, "dflash_classify", input=text, labels=labels)
+    if any(label is None for label in labels):
+        fail(plpy, "dflash_classify: labels must not contain NULL", "22004")
+    prompt = CLASSIFY_PROMPT.format(labels=", ".join(labels), text=text)
+    return generate(plpy, "dflash_classify", prompt, dict(args, choices=list(labels)))["text"]
+
+
+def check_options(plpy, options):
+    """dflash.enable_generation's check of a table's options with a constraint, by the worker."""
+    opts = json.loads(options)
+    call(plpy, "check_options", {k: opts[k] for k in SQL_OPTIONS if k in opts})
 
 
 def generate_block(plpy, prompt, block_size):

@@ -33,7 +33,9 @@ CREATE TABLE dflash.generations (
     created_at      timestamptz NOT NULL DEFAULT now(),
     finished_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
     proposers       jsonb,        -- {"dflash": {"steps", "drafted", "accepted"}, "suffix": {...}}: who drafted what
-    backend         text          -- what computed it: the worker's target backend ("hf", ...) or remote engine
+    backend         text,         -- what computed it: the worker's target backend ("hf", ...) or remote engine
+    forced_tokens   int,          -- tokens a json_schema / regex / choices grammar forced, drafted as such and kept
+    truncated       boolean       -- with a constraint: cut short of a whole answer (NULL: no constraint)
 );
 CREATE INDEX generations_created_at ON dflash.generations (created_at);
 CREATE INDEX generations_calling_role ON dflash.generations (calling_role);

@@ -15,7 +15,7 @@ BEGIN ATOMIC
     INSERT INTO dflash.generations (mode, status, prompt, output, target, drafter, drafter_version, params, block_size,
         steps, new_tokens, tau, acceptance_rate, accepted_per_position, judged_per_position, block_policy,
         verify_lengths, prefill_ms, decode_ms, queue_ms, total_ms, tokens_per_s, output_ids, calling_role, source_table,
-        proposers, backend)
+        proposers, backend, forced_tokens, truncated)
     VALUES (mode, 'ok', prompt, result->>'text', result->>'target', result->>'drafter', result->>'drafter_version', params,
         -- block length auto has no one block size: NULL, and verify_lengths says what it chose
         CASE WHEN result->>'block_policy' = 'auto' THEN NULL ELSE (result->>'block_size')::int END,
@@ -33,7 +33,7 @@ BEGIN ATOMIC
             ARRAY(SELECT jsonb_array_elements_text(result->'output_ids'))::int[] END,
         coalesce(record_generation.calling_role, current_user), source_table,
         CASE WHEN jsonb_typeof(result->'proposers') = 'object' THEN result->'proposers' END,
-        result->>'backend');
+        result->>'backend', (result->>'forced_tokens')::int, (result->>'truncated')::boolean);
     -- A separate statement, so the memory policy's check sees the generation row it belongs to.
     INSERT INTO dflash.memory (generation_id, prompt, output, embedding, embedder, calling_role)
     SELECT currval('dflash.generations_id_seq'), prompt, result->>'text',

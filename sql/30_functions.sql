@@ -11,23 +11,78 @@ CREATE FUNCTION @extschema@.dflash_generate(
     top_k int DEFAULT 0,
     seed bigint DEFAULT NULL,
     chat boolean DEFAULT true,
-    proposals boolean DEFAULT true
+    proposals boolean DEFAULT true,
+    json_schema jsonb DEFAULT NULL,
+    regex text DEFAULT NULL,
+    choices text[] DEFAULT NULL
 ) RETURNS text
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE SET search_path = pg_catalog, pg_temp AS $$
 @BRIDGE@
 return dflash_pg.generate(plpy, "dflash_generate", prompt, dict(max_new_tokens=max_new_tokens,
     temperature=temperature, block_size=block_size, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
-    proposals=proposals))["text"]
+    proposals=proposals, json_schema=json_schema, regex=regex, choices=choices))["text"]
 $$;
-COMMENT ON FUNCTION @extschema@.dflash_generate(text, int, float8, int, float8, int, bigint, boolean, boolean) IS
+COMMENT ON FUNCTION @extschema@.dflash_generate(text, int, float8, int, float8, int, bigint, boolean, boolean, jsonb, text, text[]) IS
     'Generate text with DFlash speculative decoding (lossless: greedy output equals the target''s own). '
     'NULL block_size (the default) means auto: each step''s length chosen by what pays on the worker''s device, '
     'starting from what this workload learned before (dflash.block_policy); with proposals (the default) the '
-    'suffix proposer also drafts from the prompt, the output so far and this workload''s past outputs. Records a '
-    'row in dflash.generations and dflash.memory.';
+    'suffix proposer also drafts from the prompt, the output so far and this workload''s past outputs. At most one '
+    'of json_schema, regex and choices gives the answer its form (the tokens it forces are drafted for free); an '
+    'answer max_new_tokens cuts short of that form is an error (22001), never returned. Records a row in '
+    'dflash.generations and dflash.memory.';
 
 CREATE FUNCTION @extschema@.dflash_generate_stats(
     prompt text,
+    max_new_tokens int DEFAULT 128,
+    temperature float8 DEFAULT 0,
+    block_size int DEFAULT NULL,
+    top_p float8 DEFAULT 1,
+    top_k int DEFAULT 0,
+    seed bigint DEFAULT NULL,
+    chat boolean DEFAULT true,
+    proposals boolean DEFAULT true,
+    json_schema jsonb DEFAULT NULL,
+    regex text DEFAULT NULL,
+    choices text[] DEFAULT NULL
+) RETURNS jsonb
+LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE SET search_path = pg_catalog, pg_temp AS $$
+@BRIDGE@
+import json
+return json.dumps(dflash_pg.generate(plpy, "dflash_generate_stats", prompt, dict(max_new_tokens=max_new_tokens,
+    temperature=temperature, block_size=block_size, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
+    proposals=proposals, json_schema=json_schema, regex=regex, choices=choices), cut_ok=True))
+$$;
+COMMENT ON FUNCTION @extschema@.dflash_generate_stats(text, int, float8, int, float8, int, bigint, boolean, boolean, jsonb, text, text[]) IS
+    'Like dflash_generate, but returns the whole result as jsonb: text, output_ids, steps, tau, '
+    'acceptance_rate, accepted_per_position, proposers, forced_tokens, truncated (an answer cut short of its '
+    'form is returned here, with truncated true), timings and the dflash.generations id.';
+
+CREATE FUNCTION @extschema@.dflash_generate(
+    prompts text[],
+    max_new_tokens int DEFAULT 128,
+    temperature float8 DEFAULT 0,
+    block_size int DEFAULT NULL,
+    top_p float8 DEFAULT 1,
+    top_k int DEFAULT 0,
+    seed bigint DEFAULT NULL,
+    chat boolean DEFAULT true,
+    proposals boolean DEFAULT true,
+    json_schema jsonb DEFAULT NULL,
+    regex text DEFAULT NULL,
+    choices text[] DEFAULT NULL
+) RETURNS text[]
+LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE SET search_path = pg_catalog, pg_temp AS $$
+@BRIDGE@
+return dflash_pg.generate_many(plpy, prompts, dict(max_new_tokens=max_new_tokens,
+    temperature=temperature, block_size=block_size, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
+    proposals=proposals, json_schema=json_schema, regex=regex, choices=choices))
+$$;
+COMMENT ON FUNCTION @extschema@.dflash_generate(text[], int, float8, int, float8, int, bigint, boolean, boolean, jsonb, text, text[]) IS
+    'Batch form of dflash_generate: one output per prompt, in order.';
+
+CREATE FUNCTION @extschema@.dflash_generate_json(
+    prompt text,
+    schema jsonb,
     max_new_tokens int DEFAULT 128,
     temperature float8 DEFAULT 0,
     block_size int DEFAULT NULL,
@@ -39,17 +94,19 @@ CREATE FUNCTION @extschema@.dflash_generate_stats(
 ) RETURNS jsonb
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE SET search_path = pg_catalog, pg_temp AS $$
 @BRIDGE@
-import json
-return json.dumps(dflash_pg.generate(plpy, "dflash_generate_stats", prompt, dict(max_new_tokens=max_new_tokens,
+return dflash_pg.generate_json(plpy, prompt, schema, dict(max_new_tokens=max_new_tokens,
     temperature=temperature, block_size=block_size, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
-    proposals=proposals)))
+    proposals=proposals))
 $$;
-COMMENT ON FUNCTION @extschema@.dflash_generate_stats(text, int, float8, int, float8, int, bigint, boolean, boolean) IS
-    'Like dflash_generate, but returns the whole result as jsonb: text, output_ids, steps, tau, '
-    'acceptance_rate, accepted_per_position, timings and the dflash.generations id.';
+COMMENT ON FUNCTION @extschema@.dflash_generate_json(text, jsonb, int, float8, int, float8, int, bigint, boolean,
+                                                     boolean) IS
+    'A JSON value that validates against the JSON Schema `schema`, generated for the prompt (the grammar''s mask '
+    'applies at every verified token; the tokens it forces are drafted for free). An answer max_new_tokens cuts '
+    'short is an error (SQLSTATE 22001), never returned; a schema the grammar library cannot take is 22023.';
 
-CREATE FUNCTION @extschema@.dflash_generate(
-    prompts text[],
+CREATE FUNCTION @extschema@.dflash_classify(
+    input text,
+    labels text[],
     max_new_tokens int DEFAULT 128,
     temperature float8 DEFAULT 0,
     block_size int DEFAULT NULL,
@@ -58,15 +115,17 @@ CREATE FUNCTION @extschema@.dflash_generate(
     seed bigint DEFAULT NULL,
     chat boolean DEFAULT true,
     proposals boolean DEFAULT true
-) RETURNS text[]
+) RETURNS text
 LANGUAGE plpython3u VOLATILE PARALLEL UNSAFE SET search_path = pg_catalog, pg_temp AS $$
 @BRIDGE@
-return dflash_pg.generate_many(plpy, prompts, dict(max_new_tokens=max_new_tokens,
+return dflash_pg.classify(plpy, input, labels, dict(max_new_tokens=max_new_tokens,
     temperature=temperature, block_size=block_size, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
     proposals=proposals))
 $$;
-COMMENT ON FUNCTION @extschema@.dflash_generate(text[], int, float8, int, float8, int, bigint, boolean, boolean) IS
-    'Batch form of dflash_generate: one output per prompt, in order.';
+COMMENT ON FUNCTION @extschema@.dflash_classify(text, text[], int, float8, int, float8, int, bigint, boolean,
+                                                boolean) IS
+    'One of labels for the input text: the model is asked to classify the text with one of them, and its answer '
+    'is constrained to be exactly one (greedy: the label the target ranks first). Empty labels are 22023.';
 
 CREATE FUNCTION @extschema@.dflash_generate_block(prompt text, block_size int DEFAULT NULL)
 RETURNS TABLE (draft_ids int[], draft_text text, accepted int, accepted_text text,

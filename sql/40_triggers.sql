@@ -87,10 +87,13 @@ DECLARE
     fn name := dflash._writer_name(tbl);
     body text;
 BEGIN
-    SELECT g.prompt_column, g.output_column, c.relowner, n.nspname, c.relname INTO t
+    SELECT g.prompt_column, g.output_column, c.relowner, n.nspname, c.relname,
+           -- a jsonb output column (json_schema) takes the answer's JSON text as jsonb
+           CASE WHEN a.atttypid = 'jsonb'::regtype THEN 'jsonb' ELSE 'text' END AS output_type INTO t
     FROM dflash.generation_targets g
     JOIN pg_class c ON c.oid = g.tbl
     JOIN pg_namespace n ON n.oid = c.relnamespace
+    LEFT JOIN pg_attribute a ON a.attrelid = g.tbl AND a.attname = g.output_column AND NOT a.attisdropped
     WHERE g.tbl = _make_writer.tbl AND g.mode = 'async';
     IF NOT FOUND THEN
         RAISE EXCEPTION 'dflash: % has no queued generation to write for', tbl USING ERRCODE = '55000';
@@ -110,7 +113,7 @@ BEGIN
                                               WHERE c.oid OPERATOR(pg_catalog.=) %L::pg_catalog.regclass)) IS NOT TRUE THEN
         RAISE EXCEPTION USING ERRCODE = '42501', MESSAGE = %L;
     END IF;
-    UPDATE %I.%I SET %I = $2 WHERE %I OPERATOR(%I.%s) $1::%s AND %I OPERATOR(pg_catalog.=) $3;
+    UPDATE %I.%I SET %I = $2::pg_catalog.%s WHERE %I OPERATOR(%I.%s) $1::%s AND %I OPERATOR(pg_catalog.=) $3;
     GET DIAGNOSTICS dflash_rows = ROW_COUNT;
     RETURN dflash_rows;
 END
@@ -118,7 +121,8 @@ $body$,
         format('%I.%I', t.nspname, t.relname),
         format('dflash: the writer of %s.%s does not run as the table''s owner; run dflash.enable_generation again',
                quote_ident(t.nspname), quote_ident(t.relname)),
-        t.nspname, t.relname, t.output_column, k.attname, k.oprschema, k.oprname, k.type, t.prompt_column);
+        t.nspname, t.relname, t.output_column, t.output_type, k.attname, k.oprschema, k.oprname, k.type,
+        t.prompt_column);
     EXECUTE format('CREATE OR REPLACE FUNCTION dflash.%I(text, text, text) RETURNS integer '
                    'LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp '
                    'SET datestyle = ''ISO, YMD'' SET intervalstyle = ''postgres'' SET timezone = ''UTC'' '
@@ -127,6 +131,15 @@ $body$,
     EXECUTE format('REVOKE ALL ON FUNCTION dflash.%I(text, text, text) FROM PUBLIC', fn);
     EXECUTE format('GRANT EXECUTE ON FUNCTION dflash.%I(text, text, text) TO dflash_worker', fn);
 END
+$$;
+
+-- A table's generation options with a constraint (json_schema, regex, choices), checked by
+-- the worker's grammar library when generation is enabled: a schema, regex or choice list it
+-- cannot take is refused there (22023), before any row is queued.
+CREATE FUNCTION dflash._check_options(options jsonb) RETURNS void
+LANGUAGE plpython3u VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+@BRIDGE@
+dflash_pg.check_options(plpy, options)
 $$;
 
 -- The table's catalog row, after checking that the caller may act as its owner.
@@ -200,29 +213,40 @@ BEGIN
             USING ERRCODE = '22023';
     END IF;
     SELECT string_agg(key, ', ') INTO bad FROM jsonb_each(gen_options)
-    WHERE key NOT IN ('max_new_tokens', 'temperature', 'block_size', 'top_p', 'top_k', 'seed', 'chat', 'proposals');
+    WHERE key NOT IN ('max_new_tokens', 'temperature', 'block_size', 'top_p', 'top_k', 'seed', 'chat', 'proposals',
+                      'json_schema', 'regex', 'choices');
     IF bad IS NOT NULL THEN
         RAISE EXCEPTION 'dflash.enable_generation: unknown options: %', bad USING ERRCODE = '22023',
-            HINT = 'options: mode, max_new_tokens, temperature, block_size, top_p, top_k, seed, chat, proposals';
+            HINT = 'options: mode, max_new_tokens, temperature, block_size, top_p, top_k, seed, chat, proposals, json_schema, regex, choices';
     END IF;
     SELECT string_agg(key, ', ') INTO bad FROM jsonb_each(gen_options)
-    WHERE jsonb_typeof(value) <> CASE WHEN key IN ('chat', 'proposals') THEN 'boolean' ELSE 'number' END
-      AND NOT (key IN ('block_size', 'seed') AND jsonb_typeof(value) = 'null');
+    WHERE jsonb_typeof(value) <> CASE WHEN key IN ('chat', 'proposals') THEN 'boolean'
+                                      WHEN key = 'json_schema' THEN 'object' WHEN key = 'regex' THEN 'string'
+                                      WHEN key = 'choices' THEN 'array' ELSE 'number' END
+      AND NOT (key IN ('block_size', 'seed', 'json_schema', 'regex', 'choices') AND jsonb_typeof(value) = 'null');
     IF bad IS NOT NULL THEN
         RAISE EXCEPTION 'dflash.enable_generation: options of the wrong JSON type: %', bad USING ERRCODE = '22023',
-            HINT = 'chat and proposals are booleans, the others are numbers';
+            HINT = 'chat and proposals are booleans, json_schema an object, regex a string, choices an array of '
+                   'strings, the others are numbers';
     END IF;
+    -- A null constraint is none: dropped, so a constraint key is there only when one is given.
+    gen_options := gen_options - ARRAY(SELECT key FROM jsonb_each(gen_options)
+                                       WHERE key IN ('json_schema', 'regex', 'choices') AND jsonb_typeof(value) = 'null');
     rel := dflash._owned_table('dflash.enable_generation', tbl);
     IF rel.relpersistence = 't' AND mode = 'async' THEN
         RAISE EXCEPTION 'dflash.enable_generation: % is a temporary table, which the worker cannot see', tbl
             USING ERRCODE = '0A000', HINT = 'use {"mode": "sync"} for a temporary table';
     END IF;
     FOREACH col IN ARRAY ARRAY[prompt_column, output_column] LOOP
+        -- A JSON answer (json_schema) may also fill a jsonb column.
         PERFORM FROM pg_attribute
         WHERE attrelid = tbl AND attname = col AND attnum > 0 AND NOT attisdropped
-          AND atttypid IN ('text'::regtype, 'varchar'::regtype);
+          AND (atttypid IN ('text'::regtype, 'varchar'::regtype)
+               OR (col = output_column AND gen_options ? 'json_schema' AND atttypid = 'jsonb'::regtype));
         IF NOT FOUND THEN
-            RAISE EXCEPTION 'dflash.enable_generation: % has no text column "%"', tbl, col USING ERRCODE = '42703';
+            RAISE EXCEPTION 'dflash.enable_generation: % has no text column "%"%', tbl, col,
+                CASE WHEN col = output_column AND gen_options ? 'json_schema' THEN ' (or jsonb column)' ELSE '' END
+                USING ERRCODE = '42703';
         END IF;
     END LOOP;
     IF prompt_column = output_column THEN
@@ -232,6 +256,9 @@ BEGIN
     IF key_col IS NULL THEN
         RAISE EXCEPTION 'dflash.enable_generation: % needs a single-column primary key', tbl
             USING ERRCODE = '42P10', HINT = 'the worker finds the row to fill by its key';
+    END IF;
+    IF gen_options ?| ARRAY['json_schema', 'regex', 'choices'] THEN
+        PERFORM dflash._check_options(gen_options);
     END IF;
 
     INSERT INTO dflash.generation_targets (tbl, prompt_column, output_column, key_column, mode, options)
@@ -249,8 +276,9 @@ $$;
 COMMENT ON FUNCTION dflash.enable_generation(regclass, name, name, jsonb) IS
     'Generate output_column from prompt_column for every row inserted into a table you own. options: '
     '{"mode": "async"} (default: queued, filled by the worker) or {"mode": "sync"} (filled within the INSERT), '
-    'plus max_new_tokens, temperature, block_size, top_p, top_k, seed, chat, proposals. Partitioned tables, any schema '
-    'and any single-column primary key work.';
+    'plus max_new_tokens, temperature, block_size, top_p, top_k, seed, chat, proposals, and at most one of '
+    'json_schema (a JSON Schema object: the output column may then be jsonb), regex, choices (checked by the worker '
+    'now). Partitioned tables, any schema and any single-column primary key work.';
 
 CREATE FUNCTION dflash.disable_generation(tbl regclass) RETURNS void
 LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$

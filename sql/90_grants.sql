@@ -7,9 +7,13 @@ REVOKE ALL ON SCHEMA dflash FROM PUBLIC;
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA dflash FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA dflash FROM PUBLIC;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA dflash FROM PUBLIC;
-REVOKE ALL ON FUNCTION @extschema@.dflash_generate(text, int, float8, int, float8, int, bigint, boolean, boolean),
-                       @extschema@.dflash_generate_stats(text, int, float8, int, float8, int, bigint, boolean, boolean),
-                       @extschema@.dflash_generate(text[], int, float8, int, float8, int, bigint, boolean, boolean),
+REVOKE ALL ON FUNCTION @extschema@.dflash_generate(text, int, float8, int, float8, int, bigint, boolean, boolean, jsonb, text, text[]),
+                       @extschema@.dflash_generate_stats(text, int, float8, int, float8, int, bigint, boolean, boolean, jsonb, text, text[]),
+                       @extschema@.dflash_generate(text[], int, float8, int, float8, int, bigint, boolean, boolean, jsonb, text, text[]),
+                       @extschema@.dflash_generate_json(text, jsonb, int, float8, int, float8, int, bigint, boolean,
+                                                        boolean),
+                       @extschema@.dflash_classify(text, text[], int, float8, int, float8, int, bigint, boolean,
+                                                   boolean),
                        @extschema@.dflash_generate_block(text, int),
                        @extschema@.dflash_embed(text), @extschema@.dflash_embed(text[]),
                        @extschema@.dflash_recall(text, int, boolean),
@@ -20,9 +24,13 @@ REVOKE ALL ON FUNCTION dflash.reload_drafter(text) FROM PUBLIC;
 GRANT USAGE ON SCHEMA dflash TO dflash_user, dflash_worker;
 
 -- Members: the SQL API, generation on their own tables, their own rows.
-GRANT EXECUTE ON FUNCTION @extschema@.dflash_generate(text, int, float8, int, float8, int, bigint, boolean, boolean),
-                          @extschema@.dflash_generate_stats(text, int, float8, int, float8, int, bigint, boolean, boolean),
-                          @extschema@.dflash_generate(text[], int, float8, int, float8, int, bigint, boolean, boolean),
+GRANT EXECUTE ON FUNCTION @extschema@.dflash_generate(text, int, float8, int, float8, int, bigint, boolean, boolean, jsonb, text, text[]),
+                          @extschema@.dflash_generate_stats(text, int, float8, int, float8, int, bigint, boolean, boolean, jsonb, text, text[]),
+                          @extschema@.dflash_generate(text[], int, float8, int, float8, int, bigint, boolean, boolean, jsonb, text, text[]),
+                          @extschema@.dflash_generate_json(text, jsonb, int, float8, int, float8, int, bigint,
+                                                           boolean, boolean),
+                          @extschema@.dflash_classify(text, text[], int, float8, int, float8, int, bigint, boolean,
+                                                      boolean),
                           @extschema@.dflash_generate_block(text, int),
                           @extschema@.dflash_embed(text), @extschema@.dflash_embed(text[]),
                           @extschema@.dflash_recall(text, int, boolean),
@@ -36,6 +44,7 @@ GRANT EXECUTE ON FUNCTION @extschema@.dflash_generate(text, int, float8, int, fl
                           dflash._make_trigger(regclass),
                           dflash._primary_key(regclass),
                           dflash._make_writer(regclass),
+                          dflash._check_options(jsonb),
                           dflash._enqueue(),
                           dflash._generate_row(),
                           dflash.workload_prior(regclass, name),

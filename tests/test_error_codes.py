@@ -44,7 +44,8 @@ def test_sqlstates_are_well_formed_and_bad_input_is_22023():
     assert error_codes.sqlstate("bad_top_p") == ("22023", None)
     assert error_codes.sqlstate("busy")[0] == "DF002"
     assert error_codes.sqlstate("no_such_code") == ("DF000", None)
-    assert set(error_codes.FINAL) == {"not_enabled", "row_gone"}
+    assert set(error_codes.FINAL) == {"not_enabled", "row_gone", "truncated"}
+    assert error_codes.sqlstate("truncated")[0] == "22001"
 
 
 def test_the_docs_show_the_table():

@@ -1,7 +1,8 @@
 """Typed answers (dflash.engine.grammar): a request's constraint checked before anything is
 generated, compiled once per (constraint, tokenizer), and a per-request matcher whose masks,
-forced runs, advance and rollback the decoding step will use; with the target's tokenizers
-(SmolLM2's, and Qwen2.5's where it is in the model cache)."""
+forced runs, advance and rollback the decoding step uses (tests/test_constrained.py: the
+engine end to end); with the target's tokenizers (SmolLM2's, and Qwen2.5's where it is in
+the model cache)."""
 
 import json
 from pathlib import Path
@@ -321,33 +322,20 @@ def test_a_finished_answer_is_valid(smol, vocab):
         assert check(smol.decode(out[:-1])), smol.decode(out)
 
 
-# --- the request: the engine refuses a constrained request until the step applies it ------
+# --- the request through the worker ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, code", [
-    ({"json_schema": TICKET}, "unsupported_option"),
-    ({"regex": DATE}, "unsupported_option"),
-    ({"choices": LABELS}, "unsupported_option"),
-    ({"choices": []}, "bad_choices"),
-    ({"regex": "("}, "bad_regex"),
-    ({"json_schema": {"type": "nonsense"}}, "bad_json_schema"),
-    ({"regex": "a", "json_schema": {}}, "conflicting_constraints"),
-])
-def test_the_engine_checks_then_refuses(tiny_engine, kwargs, code):
-    from dflash.engine.engine import GenerationRequest
-
-    with pytest.raises(DFlashError) as err:
-        tiny_engine.admit(GenerationRequest(input_ids=[1, 2, 3], max_new_tokens=4, **kwargs))
-    assert err.value.code == code
-
-
-def test_the_worker_refuses_before_generating(worker):
+def test_the_worker_answers_in_form_and_refuses_bad_input_before_generating(worker):
     from tests.test_worker import call
     from dflash.serve.client import WorkerError
 
-    for params, code in (({"prompt": "x", "choices": ["a", "b"]}, "unsupported_option"),
-                         ({"prompt": "x", "choices": []}, "bad_choices"),
+    answer = call(worker, "generate", {"prompt": "x", "choices": ["yes", "no"], "max_new_tokens": 8})
+    assert answer["text"] in ("yes", "no") and answer["truncated"] is False
+    cut = call(worker, "generate", {"prompt": "x", "json_schema": TICKET, "max_new_tokens": 2})
+    assert cut["truncated"] is True and cut["finish_reason"] == "length"
+    for params, code in (({"prompt": "x", "choices": []}, "bad_choices"),
                          ({"prompt": "x", "json_schema": "{}"}, "bad_params"),
+                         ({"prompt": "x", "choices": ["a"], "stop": ["b"]}, "conflicting_constraints"),
                          ({"prompt": "x", "regex": "(", "choices": ["a"]}, "conflicting_constraints")):
         with pytest.raises(WorkerError) as err:
             call(worker, "generate", params)
@@ -378,8 +366,8 @@ def test_the_cli_refuses_before_loading(capsys, monkeypatch):
     monkeypatch.setattr(cli, "engine_from_args", lambda args: pytest.fail("loaded the models"))
     assert cli.main(["generate", "--prompt", "x", "--choice", "a", "--regex", "b"]) == 2
     assert "at most one of json_schema, regex and choices" in capsys.readouterr().err
-    assert cli.main(["generate", "--prompt", "x", "--choice", "a"]) == 2
-    assert "not applied by the decoding step" in capsys.readouterr().err
+    assert cli.main(["generate", "--prompt", "x", "--choice", "a", "--stop", "b"]) == 2
+    assert "cannot be combined with stop" in capsys.readouterr().err
 
 
 def test_the_extraction_suite_compiles(vocab):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dflash.engine.engine import GenerationRequest
-from dflash.options import BY_NAME, GENERATION_OPTIONS, SQL_OPTIONS, defaults, markdown_table
+from dflash.options import BY_NAME, CONSTRAINTS, GENERATION_OPTIONS, SQL_OPTIONS, defaults, markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 FUNCTIONS = (REPO / "sql" / "30_functions.sql").read_text()
@@ -23,21 +23,26 @@ def _sql_default(option) -> str:
     return str(int(d)) if isinstance(d, float) and d.is_integer() else str(d)
 
 
-@pytest.mark.parametrize("function", ["dflash_generate(prompt text", "dflash_generate_stats(prompt text",
-                                      "dflash_generate(prompts text[]"])
-def test_sql_signatures_follow_the_definition(function):
-    name, first = function.split("(")
+TYPED = tuple(o for o in SQL_OPTIONS if o not in CONSTRAINTS)  # the schema or the labels stand for the constraint
+
+
+@pytest.mark.parametrize("function, options", [
+    ("dflash_generate(prompt text", SQL_OPTIONS), ("dflash_generate_stats(prompt text", SQL_OPTIONS),
+    ("dflash_generate(prompts text[]", SQL_OPTIONS), ("dflash_generate_json(prompt text,\n    schema jsonb", TYPED),
+    ("dflash_classify(input text,\n    labels text[]", TYPED)])
+def test_sql_signatures_follow_the_definition(function, options):
+    name, first = function.split("(", 1)
     blocks = re.findall(r"CREATE FUNCTION @extschema@\." + re.escape(name) + r"\(\n    " + re.escape(first)
                         + r",\n(.*?)\n\)", FUNCTIONS, re.S)
     assert len(blocks) == 1, function
     params = [line.strip().rstrip(",").split(None, 3) for line in blocks[0].splitlines()]
-    assert [p[0] for p in params] == list(SQL_OPTIONS)
+    assert [p[0] for p in params] == list(options)
     for pname, typ, kw, default in params:
         o = BY_NAME[pname]
         assert (typ, kw, default) == (o.sql_type, "DEFAULT", _sql_default(o)), pname
     # The body passes every option on to the bridge.
     body = FUNCTIONS[FUNCTIONS.index(blocks[0]):].split("$$")[1]
-    for o in SQL_OPTIONS:
+    for o in options:
         assert f"{o}={o}" in body, (function, o)
 
 
@@ -54,6 +59,10 @@ def test_enable_generation_accepts_exactly_the_sql_options():
     nullable = [o for o in SQL_OPTIONS if BY_NAME[o].nullable]
     assert "CASE WHEN key IN (" + ", ".join(f"'{o}'" for o in booleans) + ") THEN 'boolean'" in TRIGGERS
     assert "key IN (" + ", ".join(f"'{o}'" for o in nullable) + ")" in TRIGGERS
+    # the constraints' JSON types: an object, a string, an array
+    json_type = {dict: "object", str: "string", list: "array"}
+    for o in CONSTRAINTS:
+        assert f"WHEN key = '{o}' THEN '{json_type[BY_NAME[o].types[0]]}'" in TRIGGERS, o
 
 
 def test_the_docs_table_is_the_definition():

@@ -477,7 +477,7 @@ def test_every_function_pins_its_search_path_and_only_two_run_as_their_owner(su)
 GOLDEN = """
 | object | action | outsider | member | admin | worker |
 |---|---|---|---|---|---|
-| dflash_generate, dflash_generate_stats, dflash_generate_block, dflash_embed, dflash_recall, dflash_worker_status | EXECUTE | denied | allowed | allowed | denied |
+| dflash_generate, dflash_generate_stats, dflash_generate_json, dflash_classify, dflash_generate_block, dflash_embed, dflash_recall, dflash_worker_status | EXECUTE | denied | allowed | allowed | denied |
 | dflash.enable_generation, dflash.disable_generation | own table | denied | allowed | allowed | - |
 | dflash.enable_generation, dflash.disable_generation | others' table | denied | denied | denied | denied |
 | dflash.set_config, UPDATE dflash.config | EXECUTE | denied | denied | denied | denied |
@@ -533,13 +533,15 @@ def actions(bob_writer: str) -> dict:
     api = ["SELECT public.dflash_generate('hi', max_new_tokens => 1)",
            "SELECT public.dflash_generate_stats('hi', max_new_tokens => 1)",
            "SELECT public.dflash_generate(ARRAY['hi'], max_new_tokens => 1)",
+           "SELECT public.dflash_generate_json('hi', '{\"type\": \"boolean\"}', max_new_tokens => 8)",
+           "SELECT public.dflash_classify('hi', ARRAY['yes', 'no'], max_new_tokens => 8)",
            "SELECT * FROM public.dflash_generate_block('hi', 2)",
            "SELECT public.dflash_embed('hi')", "SELECT public.dflash_embed(ARRAY['hi'])",
            "SELECT * FROM public.dflash_recall('hi', 1)", "SELECT public.dflash_worker_status()"]
     bob_row = "calling_role = 'sec_bob'"
     return {
-        ("dflash_generate, dflash_generate_stats, dflash_generate_block, dflash_embed, dflash_recall, "
-         "dflash_worker_status", "EXECUTE"): api,
+        ("dflash_generate, dflash_generate_stats, dflash_generate_json, dflash_classify, dflash_generate_block, "
+         "dflash_embed, dflash_recall, dflash_worker_status", "EXECUTE"): api,
         ("dflash.enable_generation, dflash.disable_generation", "own table"): [
             "SELECT dflash.enable_generation('{own}', 'prompt', 'answer')",
             "SELECT dflash.disable_generation('{own}')"],

@@ -140,6 +140,9 @@ def cmd_generate(args) -> int:
             f"block {'auto' if s.policy == 'auto' else s.block_size}]",
             file=sys.stderr,
         )
+        if s.truncated:
+            print(f"[truncated: max_new_tokens ({args.max_new_tokens}) cut the answer short of its form; it does not "
+                  "parse or validate]", file=sys.stderr)
     return 0
 
 

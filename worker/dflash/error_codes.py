@@ -7,7 +7,8 @@ bridge's SQLSTATEs and hints, the queue consumer's give-up-at-once list and the 
 source tree, the bridge and the docs to it. Stdlib only: PostgreSQL backends import it
 through the bridge.
 
-SQLSTATEs: bad input is 22023; a worker started without what the request needs (no_embedder)
+SQLSTATEs: bad input is 22023; a constrained answer cut short by max_new_tokens is 22001
+(string data, right truncation); a worker started without what the request needs (no_embedder)
 is 55000, object not in prerequisite state; DF000 (other worker errors), DF001 (the worker, or
 the inference endpoint it sends requests to, is down or stopping) and DF002 (its queue is
 full) are dflash's own class. A code the table does not know becomes DF000.
@@ -61,10 +62,15 @@ ERROR_CODES = (
     _bad("bad_regex", "regex is not a string the grammar library compiles (Rust's regex syntax: no look-around, "
                       "no back-references)"),
     _bad("bad_choices", "choices is not a non-empty list of non-empty strings"),
-    _bad("conflicting_constraints", "more than one of json_schema, regex and choices"),
-    _bad("unsupported_option", "an option this worker cannot honour: json_schema, regex and choices (checked, not "
-                               "yet applied by the decoding step); with --backend openai also block_size and so "
-                               "generate_block, verify"),
+    _bad("conflicting_constraints", "more than one of json_schema, regex and choices, or one of them with stop "
+                                    "strings or stop ids (the grammar decides where the answer ends)"),
+    _bad("unsupported_option", "an option this worker cannot honour: with --backend openai block_size and so "
+                               "generate_block, verify, json_schema, regex and choices; a constraint on a target "
+                               "without a tokenizer"),
+    ErrorCode("truncated", "22001", "max_new_tokens (or the context) cut a constrained answer (json_schema, regex, "
+              "choices) short of a whole one: it would not parse or validate, so it is not returned as an answer",
+              "raise max_new_tokens (dflash_generate_stats returns the cut answer with \"truncated\": true)",
+              final=True),
     ErrorCode("context_exceeded", "54000", "the prompt plus max_new_tokens does not fit the target's context",
               "shorten the prompt or ask for fewer new tokens"),
     ErrorCode("frame_too_large", "54000", "a frame over the receiver's limit: a request over the worker's "

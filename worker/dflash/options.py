@@ -53,14 +53,14 @@ GENERATION_OPTIONS: tuple[Option, ...] = (
            "ids in the vocabulary", cli="--stop-id"),
     Option("verify", (str, type(None)), None, "the verify rule when sampling: strict or probabilistic (the "
            "default); greedy needs temperature 0", "greedy, strict, probabilistic or null"),
-    # Typed answers (dflash.engine.grammar checks them; at most one per request). Not yet
-    # settable from SQL: the SQL functions take them with the step integration (issue 49).
+    # Typed answers (dflash.engine.grammar checks them; at most one per request, and not with
+    # stop strings or stop ids).
     Option("json_schema", (dict, type(None)), None, "the answer is JSON that validates against this JSON Schema",
-           "a JSON Schema object the grammar library implements, or null"),
+           "a JSON Schema object the grammar library implements, or null", "jsonb"),
     Option("regex", (str, type(None)), None, "the answer matches this regular expression, whole",
-           "Rust regex syntax (no look-around, no back-references), or null"),
+           "Rust regex syntax (no look-around, no back-references), or null", "text"),
     Option("choices", (list, type(None)), None, "the answer is one of these strings",
-           "a non-empty list of non-empty strings, or null", cli="--choice"),
+           "a non-empty list of non-empty strings, or null", "text[]", cli="--choice"),
 )
 # The options that constrain the answer's form; a request gives at most one.
 CONSTRAINTS = ("json_schema", "regex", "choices")

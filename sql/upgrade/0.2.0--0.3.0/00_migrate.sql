@@ -18,12 +18,15 @@ DELETE FROM dflash.settings s
 WHERE (s.key, s.value) IN (VALUES ('socket_path', '/run/dflash/worker.sock'), ('connect_timeout_ms', '2000'),
                                   ('default_timeout_ms', '0'), ('remember', 'on'), ('queue_max_attempts', '5'));
 
--- dflash.generations: who drafted what, and which backend computed the row (10_tables.sql
--- says what each means); block length auto has no one block size, so its rows say NULL
--- there (0.2.0 wrote the drafter's block size) and verify_lengths says what it chose.
+-- dflash.generations: who drafted what, which backend computed the row, and for typed answers
+-- (json_schema, regex, choices) the tokens the grammar forced and whether the answer was cut
+-- short (10_tables.sql says what each means); block length auto has no one block size, so its
+-- rows say NULL there (0.2.0 wrote the drafter's block size) and verify_lengths says what it chose.
 ALTER TABLE dflash.generations
     ADD COLUMN IF NOT EXISTS proposers jsonb,
-    ADD COLUMN IF NOT EXISTS backend text;
+    ADD COLUMN IF NOT EXISTS backend text,
+    ADD COLUMN IF NOT EXISTS forced_tokens int,
+    ADD COLUMN IF NOT EXISTS truncated boolean;
 UPDATE dflash.generations SET block_size = NULL WHERE block_policy = 'auto' AND block_size IS NOT NULL;
 
 -- Writers are named by a number of their target's, not by the table's OID (which a pg_dump

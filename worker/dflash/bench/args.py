@@ -9,10 +9,12 @@ import argparse
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suites", default="code,chat,agent",
-                   help="built-in suites (code, chat, agent, repetitive), comma-separated; none: only --prompts")
+                   help="built-in suites (code, chat, agent, repetitive, extraction), comma-separated; none: only "
+                        "--prompts")
     p.add_argument("--prompts", action="append", default=[], metavar="FILE.jsonl",
-                   help='one more suite, named after the file: {"prompt": ...} per line, run whole, in file order, '
-                        "as one workload (repeatable; --limit does not apply)")
+                   help='one more suite, named after the file: {"prompt": ...} per line (with a "json_schema", '
+                        '"regex" or "choices" beside it: that prompt is constrained, its row counts `valid` outputs), '
+                        "run whole, in file order, as one workload (repeatable; --limit does not apply)")
     p.add_argument("--methods", default="ar-hf,ar,dflash-4,dflash-8,dflash-16,dflash-auto,suffix,prompt-lookup,"
                    "assisted-ar",
                    help="ar, dflash-N, dflash-auto (every proposer), suffix (the suffix proposer alone), ar-hf, "

@@ -413,9 +413,9 @@ class LlamaServer:
         self.close()
         raise DFlashError("peer_failed", f"llama-server did not become ready; log {self.log_path}")
 
-    def complete(self, prompt_ids: list[int], max_new: int) -> Completion:
+    def complete(self, prompt_ids: list[int], max_new: int, constraint: dict | None = None) -> Completion:
         body = {"prompt": prompt_ids, "n_predict": max_new, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
-                "return_tokens": True, "stream": False}
+                "return_tokens": True, "stream": False, **constrained(constraint or {})}
         req = urllib.request.Request(self._url("/completion"), data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         t = time.perf_counter()
@@ -447,6 +447,31 @@ class LlamaServer:
     def close(self) -> None:
         stop(self.proc, grace_s=30)
         self.log.close()
+
+
+def constrained(constraint: dict) -> dict:
+    """llama-server's own constrained decoding of a typed answer, as /completion parameters: a
+    JSON Schema as `json_schema` (the server turns it into a grammar); choices as a GBNF
+    `grammar` of their literals; a regex as the GBNF that llama.cpp's own converter writes for
+    it (the Python binding's copy of json_schema_to_grammar: a string pattern, raw, is the
+    whole answer)."""
+    if not constraint:
+        return {}
+    if "json_schema" in constraint:
+        return {"json_schema": constraint["json_schema"]}
+    if "choices" in constraint:
+        return {"grammar": "root ::= " + " | ".join(_gbnf_literal(c) for c in constraint["choices"])}
+    from llama_cpp.llama_grammar import SchemaConverter
+
+    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=True)
+    converter.visit({"type": "string", "pattern": f"^({constraint['regex']})$"}, "")
+    return {"grammar": converter.format_grammar()}
+
+
+def _gbnf_literal(text: str) -> str:
+    """A GBNF string literal (its escapes: backslash, quote, newline, carriage return, tab)."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    return '"' + escaped.replace("\t", "\\t") + '"'
 
 
 def every_step(logged: list[int], tokens: int) -> list[int]:
@@ -576,8 +601,8 @@ class LlamaCppPeer:
             self.servers[method] = LlamaServer(target, self.threads, spec, log=home() / f"server-{method}.log")
         return self.servers[method]
 
-    def run(self, method: str, prompt_ids: list[int], max_new: int) -> Completion:
-        return self._server(method).complete(prompt_ids, max_new)
+    def run(self, method: str, prompt_ids: list[int], max_new: int, constraint: dict | None = None) -> Completion:
+        return self._server(method).complete(prompt_ids, max_new, constraint)
 
     def close(self) -> None:
         for server in self.servers.values():

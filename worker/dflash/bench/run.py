@@ -23,12 +23,21 @@ tau, acceptance and the histogram on the same definitions as the engine.
 A long run journals every generation to DIR/samples.jsonl as it goes; `--resume` reuses
 the generations of an interrupted run with the same settings (each one was timed whole, in
 a process that had warmed up the same way).
+
+Typed answers: a prompt with a constraint ("json_schema", "regex" or "choices" beside it in
+its suite's line: the `extraction` suite, or a --prompts file) is constrained by every
+method that can (the engine's, so `ar` is constrained plain decoding and the greedy
+mismatches compare against it; llama.cpp's, through llama-server's `json_schema` or a GBNF
+grammar); transformers' methods cannot, and are refused for such a suite. Each row counts
+`valid`: outputs of its constrained prompts that parse and validate (JSON Schema by the
+`jsonschema` package, the regex whole, one of the choices); None where the suite has none.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import re
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
@@ -42,8 +51,9 @@ from dflash.bench.llamacpp import is_dflash_peer, is_peer_method, is_speculative
 from dflash.engine.costs import cpu_name
 from dflash.engine.engine import Engine, GenerationRequest, dtype_name
 
-from dflash.suites import SUITES, load_prompts_file, load_suite  # noqa: F401 (the bench's suites)
+from dflash.suites import SUITES, load_prompt_items, load_suite, load_suite_items  # noqa: F401 (the bench's suites)
 from dflash.engine.stats import pooled_tau
+from dflash.errors import DFlashError
 from dflash.plots import pyplot
 
 
@@ -182,24 +192,29 @@ class Runner:
         if method != "assisted-ar":
             raise SystemExit(f"dflash bench: unknown method '{method}'")
 
-    def run(self, method: str, prompt_ids: list[int], workload: str | None = None) -> Sample:
-        """One generation; an engine method's draws on and extends `workload`'s memory."""
+    def run(self, method: str, prompt_ids: list[int], workload: str | None = None,
+            constraint: dict | None = None) -> Sample:
+        """One generation; an engine method's draws on and extends `workload`'s memory.
+        `constraint`: the prompt's json_schema, regex or choices ({"regex": ...}), if any."""
+        constraint = constraint or {}
         if is_peer_method(method):
-            c = self.peer.run(method, prompt_ids, self.max_new)
+            c = self.peer.run(method, prompt_ids, self.max_new, constraint)
             return Sample(c.tokens, c.wall_s, c.accepted, c.drafted)
         t = time.perf_counter()
         if method == AR_REFERENCE:
             res = self.reference.generate(GenerationRequest(input_ids=prompt_ids, max_new_tokens=self.max_new,
-                                                            block_size=1))
+                                                            block_size=1, **constraint))
             return Sample(res.output_ids, time.perf_counter() - t)
         if is_engine_method(method):
             res = self.engine.generate(GenerationRequest(
                 input_ids=prompt_ids, max_new_tokens=self.max_new, block_size=block_size_of(method),
-                workload=workload, proposers=("suffix",) if method == SUFFIX else None))
+                workload=workload, proposers=("suffix",) if method == SUFFIX else None, **constraint))
             steps = res.stats.steps
             return Sample(res.output_ids, time.perf_counter() - t, [s.accepted for s in steps], res.stats.drafted,
                           [len(s.draft_ids) + 1 for s in steps], {k: dict(v) for k, v in res.stats.by_proposer.items()},
                           res.stats.prefill_s)
+        if constraint:
+            raise DFlashError("bad_method", f"{method} cannot constrain its answer (transformers' generate)")
         kwargs = {}
         if method == "prompt-lookup":
             kwargs["prompt_lookup_num_tokens"] = 10
@@ -222,9 +237,35 @@ class Runner:
         return Sample(output, wall, accepted, drafted)
 
 
-def summarize(suite: str, method: str, samples: list[Sample], block: int | None, max_block: int) -> dict:
+def valid_answer(text: str, constraint: dict) -> bool:
+    """Whether an output is what its constraint asks for: JSON that validates against the
+    schema, the whole text matching the regex, or one of the choices."""
+    if "json_schema" in constraint:
+        try:
+            import jsonschema
+        except ImportError:
+            raise DFlashError("bad_method", "counting valid JSON answers needs the bench extra: pip install "
+                              "jsonschema==4.26.0") from None
+        try:
+            jsonschema.validate(json.loads(text), constraint["json_schema"])
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+    if "regex" in constraint:
+        return re.fullmatch(constraint["regex"], text) is not None
+    return text in constraint["choices"]
+
+
+def count_valid(texts: list[str], constraints: list[dict]) -> int | None:
+    """Outputs of the constrained prompts that are valid; None where no prompt has a constraint."""
+    pairs = [(t, c) for t, c in zip(texts, constraints) if c]
+    return sum(valid_answer(t, c) for t, c in pairs) if pairs else None
+
+
+def summarize(suite: str, method: str, samples: list[Sample], block: int | None, max_block: int,
+              valid: int | None = None) -> dict:
     """One results row. `block`: the method's fixed block size (None: auto or transformers');
-    `max_block`: the drafter's, the widest auto may verify."""
+    `max_block`: the drafter's, the widest auto may verify; `valid`: `count_valid`'s."""
     new = sum(len(s.output_ids) for s in samples)
     wall = sum(s.wall_s for s in samples)
     steps = [a for s in samples for a in s.accepted]
@@ -240,6 +281,7 @@ def summarize(suite: str, method: str, samples: list[Sample], block: int | None,
         "method": method,
         "block_size": block,
         "prompts": len(samples),
+        "valid": valid,  # of the constrained prompts' outputs, those that parse and validate (None: none constrained)
         "new_tokens": new,
         "wall_s": wall,
         "tokens_per_s": new / wall if wall else None,
@@ -327,13 +369,20 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
                 "device": str(engine.target.device), "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": max_new,
                 **({"peers": peers} if peers else {})}
     log = Journal(journal, settings, resume)
+    workloads = ([(s, load_suite_items(s, limit)) for s in suites]
+                 + [(Path(f).stem, load_prompt_items(f)) for f in prompt_files])
+    cannot = [m for m in methods if m in HF_METHODS and m != AR_REFERENCE]
+    typed = [s for s, items in workloads if any(len(i) > 1 for i in items)]
+    if cannot and typed:
+        raise DFlashError("bad_method", f"{', '.join(cannot)} cannot constrain an answer, and {', '.join(typed)} "
+                          "holds prompts with a json_schema, regex or choices")
     warm = engine.prompt_ids(GenerationRequest(prompt="Warm up.", chat=True))
     for m in methods:
         runner.run(m, warm)
     results = []
-    workloads = [(s, load_suite(s, limit)) for s in suites] + [(Path(f).stem, load_prompts_file(f)) for f in prompt_files]
-    for suite, texts in workloads:
-        prompts = [engine.prompt_ids(GenerationRequest(prompt=p, chat=True)) for p in texts]
+    for suite, items in workloads:
+        prompts = [engine.prompt_ids(GenerationRequest(prompt=i["prompt"], chat=True)) for i in items]
+        constraints = [{k: v for k, v in i.items() if k != "prompt"} for i in items]
         keys = {m: f"bench:{suite}:{m}" for m in methods}
         for key in keys.values():
             engine.workloads.load(key, [])  # an empty memory for each method
@@ -344,7 +393,7 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
             for method in methods:
                 sample = log.get(suite, method, i, len(ids))
                 if sample is None:
-                    sample = runner.run(method, ids, keys[method])
+                    sample = runner.run(method, ids, keys[method], constraints[i])
                     log.add(suite, method, i, len(ids), sample)
                 else:  # journaled by an interrupted run: its output joins the memory as it did then
                     engine.workloads.remember(keys[method], sample.output_ids)
@@ -353,7 +402,8 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
             engine.workloads.workloads.pop(key, None)
         outputs = {m: [s.output_ids for s in samples[m]] for m in methods}
         for method in methods:
-            results.append(summarize(suite, method, samples[method], block_size_of(method), engine.block_size))
+            valid = count_valid([engine.decode(o) for o in outputs[method]], constraints)
+            results.append(summarize(suite, method, samples[method], block_size_of(method), engine.block_size, valid))
         # Greedy output is checked against plain decoding on the same backend (a quantized
         # backend is another numeric path); its agreement with the fp32 reference is reported.
         reference = outputs.get("ar") or outputs.get("ar-hf")

@@ -32,7 +32,7 @@ from dflash.engine.prefix_cache import PrefixCache
 from dflash.engine.proposers import registry
 from dflash.engine.proposers.dflash import DrafterInUse
 from dflash.engine.requests import (  # noqa: F401 (re-exported: what callers build requests with)
-    GenerationRequest, GenerationResult, RequestChecks, check_history, check_prior)
+    GenerationRequest, GenerationResult, RequestChecks, check_history, check_prior, constraint_of)
 from dflash.engine.state import DecodeState, StepResult
 from dflash.engine.stats import GenerationStats
 from dflash.engine.stops import StopStrings
@@ -217,6 +217,7 @@ class Engine(RequestChecks):
                                   prompt_tokens=len(prompt_ids)),
             stops=StopStrings(self.decode, req.stop) if req.stop else None,
             workload=workload,
+            constraint=self._matcher(req),
         )
         auto = fixed is None and block > 1
         if auto:  # the proposers the request lets draft (None: all there are)
@@ -228,6 +229,19 @@ class Engine(RequestChecks):
         if auto:
             state.policy = self._policy(state, req)
         return state
+
+    def _matcher(self, req: GenerationRequest):
+        """The request's place in its grammar (dflash.engine.grammar.Matcher), or None
+        without a constraint."""
+        constraint = constraint_of(req)
+        if constraint is None:
+            return None
+        if self.tokenizer is None:
+            raise DFlashError("unsupported_option", f"{constraint.kind} needs the target's tokenizer, and this "
+                              "target has none")
+        from dflash.engine.grammar import Matcher, Vocabulary
+
+        return Matcher.start(constraint, Vocabulary.of(self.tokenizer, self.target.vocab_size, self.target.eos_ids))
 
     def _policy(self, state: DecodeState, req: GenerationRequest) -> BlockPolicy:
         """Block length auto for a new request: its calibration of every proposer that joined
@@ -370,6 +384,8 @@ class Engine(RequestChecks):
         if state.stops is not None and state.stops.hit_at is not None:
             text = state.stops.cut(text)
         state.stats.new_tokens = len(ids)
+        if state.constraint is not None:  # cut by max_new_tokens or the context short of a whole answer
+            state.stats.truncated = not state.constraint.accepts_eos()
         if state.policy is not None:
             self.recent_counts.append({**state.policy.counts(), "steps": len(state.stats.steps)})
         if state.workload is not None and ids:

@@ -6,42 +6,42 @@ it computes a mask in tens of microseconds, its forced tokens come as the target
 tokens (XGrammar gives a string to tokenise again), it refuses a schema keyword it does
 not implement (XGrammar compiled `if`/`not` and ignored them), and it has no dependencies.
 
-What is here, and what the decoding step must do with it (the plan for when the step
-calls it; until then `refuse_constrained` makes every engine refuse a constrained request):
+How the engine uses it (the step knows only the `AnswerConstraint` hook of
+dflash.engine.state, which `Matcher` implements; nothing in the step names a grammar):
 
 - `parse_constraint(json_schema=, regex=, choices=)` checks a request's constraint before
   anything is generated and returns a `Constraint` (or None): DFlashError with a 22023 code
-  naming the problem otherwise. `RequestChecks.validate` calls it (through
-  `refuse_constrained` today).
+  naming the problem otherwise. `RequestChecks.validate` calls it through `constraint_of`,
+  which also refuses stop strings and stop ids beside a constraint (the grammar decides
+  where the answer ends; a stop would cut it short of a valid answer).
 - `Vocabulary.of(tokenizer, vocab_size, eos_ids)`: the target's tokenizer as LLGuidance
   reads it (about a second to build for a 49k vocabulary, so built once per target).
   `Matcher.start(constraint, vocabulary)` at admit: a fresh matcher per request, copied
-  from a compiled one cached per (constraint, vocabulary) (`compiled`, an LRU).
-- Drafting: each proposer's chain is cut with `verify_length(matcher, chain, sampled)`
-  (pure) before the policy prices it: a chain the proposer chose (suffix, forced run,
-  greedy drafter) stops before the first token the grammar forbids; a chain sampled from
-  the drafter's law for the probabilistic rule keeps that one token, to be rejected at its
-  row (cutting it away would bias the law; tests/test_sampling.py). The forced-token
-  proposer drafts `matcher.forced()` (the tokens the grammar forces from here, as the
-  target's tokenizer writes them) with confidence 1: the mask there holds that one token,
-  so the target takes it; a suffix chain may go on past the forced run where the grammar
-  allows it (`allowed_prefix` on the joined chain).
-- Verify: `matcher.masks(draft)` gives one row of allowed tokens per verified row (row i:
-  the state after draft[:i]; `batch_masks` for a batch, each request's rows its own); the
-  verify rules take them: `sampling.verify_greedy(..., allowed=rows)` (the argmax over the
-  allowed tokens) and `sampling.warp(logits, params, allowed=rows)` before the strict or
-  probabilistic rule (the masked, renormalised target law). A forbidden draft has target
-  probability 0 and is rejected at its row; the token the target adds is drawn from the
-  masked law. Plain steps (block 1) take `masks([])`.
-- Commit: `matcher.advance(accepted + [next_token])`, over what the step commits only; the
-  rejected drafts never entered the matcher (`masks`, `allowed_prefix` and `verify_length`
-  leave it as they found it), so nothing needs undoing. `rollback(k)` undoes k committed
-  tokens, for a caller that must take tokens back (a stop string that cuts output off).
-- End: once `matcher.is_done()`, the only token left is the end of sequence, so the step
-  may finish the generation as stopped without another forward (the output is the same);
-  an output cut by max_new_tokens before `accepts_eos()` is truncated, never valid.
-- Stop strings and extra stop ids cut an answer short of the grammar: with a constraint
-  they should be refused, or the output reported truncated.
+  from a compiled one cached per (constraint, vocabulary) (`compiled`, an LRU), kept in
+  the request's `DecodeState.constraint`.
+- Drafting: every draft is cut with `Matcher.cut(draft, sampled)` (`verify_length`) before
+  the policy prices it: a chain the proposer chose (suffix, forced run, greedy drafter)
+  stops before the first token the grammar forbids; a chain sampled from the drafter's law
+  for the probabilistic rule keeps that one token, to be rejected at its row (cutting it
+  away would bias the law; tests/test_sampling.py). The forced-token proposer
+  (dflash.engine.proposers.forced) drafts `forced()` (the tokens the grammar forces from
+  here, as the target's tokenizer writes them) with confidence 1: the mask there holds that
+  one token, so the target takes it.
+- Verify: `masks(draft)` gives one row of allowed tokens per verified row (row i: the state
+  after draft[:i]); the verify rules take them: `sampling.verify_greedy(..., allowed=rows)`
+  (the argmax over the allowed tokens) and `sampling.warp(logits, params, allowed=rows)`
+  before the strict or probabilistic rule (the masked, renormalised target law). A
+  forbidden draft has target probability 0 and is rejected at its row; the token the target
+  adds is drawn from the masked law. Plain steps and a prompt's first token take `masks([])`.
+- Commit: `advance(committed)`, over what the step commits only; the rejected drafts never
+  entered the matcher (`masks`, `cut` and `allowed_prefix` leave it as they found it), so
+  nothing needs undoing. `rollback(k)` undoes k committed tokens, for a caller that must
+  take tokens back.
+- End: once `is_done()`, the only token left is the end of sequence; where the target has
+  one, `end_token()` names it and the step commits it without another forward (what the
+  target's masked row would give, greedy or sampled). An output cut by max_new_tokens (or
+  the context) before `accepts_eos()` is truncated (`truncated` in the statistics), never
+  valid.
 
 Tokenizer boundaries: where the grammar forces text, LLGuidance's mask allows only the
 tokens the target's tokenizer writes for it (XGrammar's also allows other splits of the
@@ -158,18 +158,16 @@ def parse_constraint(json_schema=None, regex=None, choices=None) -> Constraint |
 
 
 def constraint_of(req) -> Constraint | None:
-    """A GenerationRequest's constraint (its json_schema, regex and choices), checked."""
-    return parse_constraint(getattr(req, "json_schema", None), getattr(req, "regex", None),
-                            getattr(req, "choices", None))
-
-
-def refuse_constrained(req) -> None:
-    """Check a request's constraint, then refuse it: the decoding step does not apply the
-    mask yet (see this module's plan). Bad input still gets its own code first."""
-    constraint = constraint_of(req)
-    if constraint is not None:
-        raise DFlashError("unsupported_option", f"{constraint.kind} is checked but not applied by the decoding step "
-                          "yet: constrained generation is not available in this version")
+    """A GenerationRequest's constraint (its json_schema, regex and choices), checked, and
+    refused beside stop strings or stop ids: the grammar decides where the answer ends, and a
+    stop that cut it short would return an answer that does not parse."""
+    constraint = parse_constraint(getattr(req, "json_schema", None), getattr(req, "regex", None),
+                                  getattr(req, "choices", None))
+    if constraint is not None and (getattr(req, "stop", None) or getattr(req, "stop_ids", None)):
+        given = " and ".join(n.replace("_", " ") for n in ("stop", "stop_ids") if getattr(req, n, None))
+        raise DFlashError("conflicting_constraints", f"{constraint.kind} cannot be combined with {given}: the "
+                          "grammar decides where the answer ends")
+    return constraint
 
 
 def _schema_constraint(schema) -> Constraint:
@@ -356,6 +354,17 @@ class Matcher:
     def ended(self) -> bool:
         """Whether the end of sequence was committed: nothing may follow."""
         return self._ended
+
+    def cut(self, draft, sampled: bool) -> int:
+        """How much of a draft to verify (`verify_length`)."""
+        return verify_length(self, draft, sampled)
+
+    def end_token(self) -> int | None:
+        """The end of sequence, where the answer is whole, nothing else may follow and the
+        target has one end token (with several, its row chooses among them); else None."""
+        if not self.ended and len(self.vocabulary.eos_ids) == 1 and self._m.is_stopped():
+            return self.vocabulary.eos_ids[0]
+        return None
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces from here, as the target's tokenizer writes them

@@ -149,14 +149,20 @@ class RequestChecks:
         if req.stop and self.tokenizer is None:
             raise DFlashError("bad_stop", "stop strings need a tokenizer")
         check_prior(req.prior)
-        if any(getattr(req, name) is not None for name in CONSTRAINTS):
-            from dflash.engine.grammar import refuse_constrained  # LLGuidance loads only for a constrained request
-
-            refuse_constrained(req)  # until the step applies the mask (the plan: dflash.engine.grammar)
+        constraint_of(req)
         return block
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
+def constraint_of(req: GenerationRequest):
+    """The request's constraint (dflash.engine.grammar.Constraint), checked; None without one."""
+    if all(getattr(req, name) is None for name in CONSTRAINTS):
+        return None
+    from dflash.engine.grammar import constraint_of as checked  # LLGuidance loads only for a constrained request
+
+    return checked(req)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:

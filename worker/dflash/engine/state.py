@@ -9,6 +9,7 @@ engine steps any set of states together, each as if it ran alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -16,6 +17,34 @@ from dflash.engine.sampling import SamplingParams
 from dflash.engine.policy import BlockPolicy
 from dflash.engine.stats import GenerationStats
 from dflash.engine.stops import StopStrings
+
+
+class AnswerConstraint(Protocol):
+    """What a request's answer may be, as the step applies it (dflash.engine.grammar.Matcher
+    implements it for json_schema, regex and choices): a constraint on verification, the
+    same for every proposer's drafts. It never changes during `cut` or `masks`; only
+    `advance` moves it, over committed tokens."""
+
+    def cut(self, draft: list[int], sampled: bool) -> int:
+        """How many of `draft`'s tokens to verify: a chosen chain stops before its first
+        forbidden token; one `sampled` from a drafter's law for the probabilistic rule keeps
+        it, to be rejected at its row."""
+
+    def masks(self, draft: list[int]) -> torch.Tensor:
+        """bool [len(draft) + 1, V]: the tokens allowed at each row a verify of `draft` scores."""
+
+    def advance(self, tokens: list[int]) -> None:
+        """The step committed these tokens."""
+
+    def end_token(self) -> int | None:
+        """The one token that must come next, where it ends the answer (the step commits it
+        without a forward); None: the target's row decides."""
+
+    def accepts_eos(self) -> bool:
+        """Whether the output so far is a whole answer (else a cut output is truncated)."""
+
+    def forced(self) -> list[int]:
+        """The tokens that must come next, whatever the target prefers (empty: a choice)."""
 
 
 @dataclass
@@ -35,6 +64,8 @@ class DecodeState:
     output_ids: list[int] = field(default_factory=list)  # committed new tokens
     prefilled: int = 0  # prompt tokens in the target's cache
     finish_reason: str | None = None  # "stop" | "length" | "context" once done
+    # What the answer may be (a json_schema, regex or choices); None: anything.
+    constraint: AnswerConstraint | None = None
 
     @property
     def done(self) -> bool:

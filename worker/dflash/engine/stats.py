@@ -47,6 +47,12 @@ class GenerationStats:
     verify_lengths: Counter = field(default_factory=Counter)
     # Per proposer that drafted: steps it drafted, tokens it had verified, tokens kept.
     by_proposer: dict = field(default_factory=dict)
+    # With a constraint (json_schema, regex, choices): whether the output ended short of a
+    # whole answer (max_new_tokens or the context cut it); None without one.
+    truncated: bool | None = None
+    # Tokens the grammar forced that were drafted as such and kept (the forced-token
+    # proposer, dflash.engine.proposers.forced, adds them).
+    forced_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     draft_s: float = 0.0
@@ -124,6 +130,8 @@ class GenerationStats:
             "judged_per_position": list(self.judged_per_position),
             "verify_length_histogram": {str(k): v for k, v in sorted(self.verify_lengths.items())},
             "proposers": {k: dict(v) for k, v in sorted(self.by_proposer.items())},
+            "truncated": self.truncated,
+            "forced_tokens": self.forced_tokens,
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "draft_s": self.draft_s,

@@ -18,28 +18,59 @@ The verify rules and the commit are per state and pure (`verify`, `commit`): a s
 output never depends on which other states shared its step, except through the rounding
 of a batched matmul (measured by `dflash.bench.load`; a top-2 gap of the target's logits
 below 1e-4 at the first difference is rounding).
+
+A state's `constraint` (its answer's form: dflash.engine.state.AnswerConstraint) is a
+constraint on verification, whoever drafted: every draft is cut where the constraint
+forbids it before it is priced or verified, every verified row is masked to the tokens it
+allows (greedy: the best allowed token; sampling: the masked, renormalised law), and it
+advances over the committed tokens only. So a constrained state's output is constrained
+plain decoding's, token for token (greedy) or in law (sampling).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
-from dflash.engine.proposers.protocol import Offer
-from dflash.engine.sampling import argmax_rows, sample, verify_greedy, verify_probabilistic, verify_strict, warp
+from dflash.engine.proposers.protocol import Draft, Offer
+from dflash.engine.sampling import (argmax_rows, mask_logits, sample, verify_greedy, verify_probabilistic,
+                                    verify_strict, warp)
 from dflash.engine.state import DecodeState, StepResult
 from dflash.engine.target import TargetRow
 
 
+def allowed(state: DecodeState, draft: list[int]) -> torch.Tensor | None:
+    """The tokens the state's constraint allows at each row a verify of `draft` scores
+    (bool [len(draft) + 1, V]); None: any."""
+    return state.constraint.masks(draft) if state.constraint is not None else None
+
+
 def first_token(logits: torch.Tensor, state: DecodeState) -> int:
+    rows = allowed(state, [])
+    mask = rows[0] if rows is not None else None
     if state.params.greedy:
-        return int(argmax_rows(logits))
-    return int(sample(warp(logits, state.params), state.generator))
+        return int(argmax_rows(logits if mask is None else mask_logits(logits, mask)))
+    return int(sample(warp(logits, state.params, mask), state.generator))
 
 
 def commit(state: DecodeState, tokens: list[int]) -> list[int]:
-    """Append tokens until a stop id, a stop string or max_new_tokens; returns those kept."""
+    """Append tokens until a stop id, a stop string or max_new_tokens; returns those kept.
+    The state's constraint advances over them; where it then leaves one token that ends the
+    answer, that token is committed too, without a forward (the target's masked row could
+    give nothing else)."""
+    kept = _append(state, tokens)
+    if state.constraint is not None:
+        state.constraint.advance(kept)
+        end = None if state.finish_reason else state.constraint.end_token()
+        if end is not None:
+            state.constraint.advance(_append(state, [end]))
+            kept.append(end)
+    return kept
+
+
+def _append(state: DecodeState, tokens: list[int]) -> list[int]:
     kept = []
     for tok in tokens:
         state.output_ids.append(tok)
@@ -53,13 +84,15 @@ def commit(state: DecodeState, tokens: list[int]) -> list[int]:
     return kept
 
 
-def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_probs, state: DecodeState) -> tuple[int, int]:
-    """(accepted drafts, the target's next token) by the state's verify rule. Drafts without
-    a distribution (point masses) are verified by the strict rule when sampling."""
+def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_probs, state: DecodeState,
+           allowed_rows: torch.Tensor | None = None) -> tuple[int, int]:
+    """(accepted drafts, the target's next token) by the state's verify rule, over the
+    tokens `allowed_rows` allows at each row (None: all). Drafts without a distribution
+    (point masses) are verified by the strict rule when sampling."""
     mode = state.params.verify_mode
     if mode == "greedy":
-        return verify_greedy(drafts, logits)
-    p = warp(logits, state.params)
+        return verify_greedy(drafts, logits, allowed_rows)
+    p = warp(logits, state.params, allowed_rows)
     if mode == "strict" or draft_probs is None:
         return verify_strict(drafts, p, state.generator)
     if len(drafts) == 0:
@@ -68,6 +101,32 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_probs, state: Decod
 
 
 _NO_DRAFTS = torch.empty(0, dtype=torch.long)  # shared, never written: no new tensor per plan in the hot loop
+
+
+def _sampled(state: DecodeState, probs) -> bool:
+    """Whether drafts with these distributions are verified by the probabilistic rule (drawn
+    from the drafter's law: a forbidden one must stay, to be rejected at its row)."""
+    return probs is not None and state.params.verify_mode == "probabilistic"
+
+
+def _cut(state: DecodeState, tokens: torch.Tensor, probs) -> int:
+    """How many of the drafts the state's constraint lets a verify take (all: none)."""
+    if state.constraint is None or not len(tokens):
+        return len(tokens)
+    return state.constraint.cut(tokens.tolist(), _sampled(state, probs))
+
+
+def _within(state: DecodeState, offer: Offer) -> Offer | None:
+    """A ready offer cut where the state's constraint forbids its chain, before the policy
+    prices it (None: nothing of it is allowed)."""
+    d = offer.draft
+    n = _cut(state, d.tokens, d.probs)
+    if n == len(d.tokens):
+        return offer
+    if n == 0:
+        return None
+    return replace(offer, draft=Draft(d.tokens[:n], None if d.probs is None else d.probs[:n],
+                                      None if d.confidence is None else d.confidence[:n]))
 
 
 class _Plan:
@@ -93,14 +152,18 @@ class _Plan:
         return self.offer is not None and self.offer.deferred
 
     def take(self, draft) -> None:
-        """A deferred offer's draft; auto verifies as far as its confidences say."""
+        """A deferred offer's draft; auto verifies as far as its confidences say, and never
+        past where the state's constraint cuts it (the confidences stay the drafter's own,
+        for its calibration)."""
         self.drafts, self.probs = draft.tokens, draft.probs
         policy = self.state.policy
+        L = len(self.drafts) + 1
         if policy is not None:
             self.confidence = draft.confidence
             L = policy.verify_length(self.confidence)
-            self.drafts = self.drafts[: L - 1]
-            self.probs = self.probs[: L - 1] if self.probs is not None else None
+        L = min(L, _cut(self.state, self.drafts, self.probs) + 1)
+        self.drafts = self.drafts[: L - 1]
+        self.probs = self.probs[: L - 1] if self.probs is not None else None
 
 
 def _most(state: DecodeState, engine) -> int:
@@ -120,6 +183,8 @@ def _offers(engine, decoding: list[DecodeState], mosts: list[int]) -> list[list[
     offered: list[list[Offer]] = [[] for _ in decoding]
     for proposer in engine.proposers:
         for i, offer in zip(asked, proposer.offer([(decoding[i], mosts[i]) for i in asked])):
+            if offer is not None and not offer.deferred:
+                offer = _within(decoding[i], offer)
             if offer is not None:
                 offered[i].append(offer)
     return offered
@@ -221,7 +286,8 @@ def _verify_commit(engine, p: _Plan, out, i: int, union: tuple[int, ...], draft_
     and the proposer how the offer fared (pure per state)."""
     state = p.state
     t = time.perf_counter()
-    accepted, nxt = verify(out.logits[i], p.drafts.to(out.logits[i].device), p.probs, state)
+    accepted, nxt = verify(out.logits[i], p.drafts.to(out.logits[i].device), p.probs, state,
+                           allowed(state, p.draft_list))
     start = state.length - 1
     verify_len = len(p.draft_list) + 1
     # Per-position counts are a model drafter's (block length auto's workload prior).

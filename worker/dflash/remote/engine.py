@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.engine.engine import GenerationRequest, GenerationResult, RequestChecks, check_prior
+from dflash.engine.engine import GenerationRequest, GenerationResult, RequestChecks, check_prior, constraint_of
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.state import StepResult
 from dflash.engine.stats import GenerationStats
@@ -210,6 +210,10 @@ class RemoteEngine(RequestChecks):
         params = req.sampling()
         prompt_ids = self.prompt_ids(req)
         self.validate(req, len(prompt_ids))
+        constraint = constraint_of(req)  # checked by validate: bad input keeps its own code
+        if constraint is not None:
+            raise DFlashError("unsupported_option", f"{constraint.kind} is applied by dflash's own decoding step, "
+                              "which does not run with --backend openai")
         opts = {"max_new_tokens": req.max_new_tokens, "temperature": params.temperature, "top_k": params.top_k,
                 "top_p": params.top_p, "seed": params.seed, "stop": list(req.stop), "stop_ids": list(req.stop_ids)}
         body = self.dialect.body(prompt_ids, opts)

@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from dflash.engine.engine import GenerationRequest
+from dflash.engine.engine import GenerationRequest, constraint_of
 from dflash.engine.scheduler import Stopped, Ticket
 from dflash.errors import DFlashError
 from dflash.options import BY_NAME, type_error
@@ -84,6 +84,21 @@ def generation_request(params: dict) -> GenerationRequest:
         elif (why := type_error(key, value)) is not None:
             raise DFlashError("bad_params", why)
     return GenerationRequest(**params)
+
+
+def check_options(engine, params: dict) -> dict:
+    """A generate-on-insert table's options, checked when generation is enabled (op
+    check_options): their types, the sampling numbers and their constraint, which the grammar
+    library compiles (22023 codes naming the problem); nothing is generated."""
+    if "prompt" in params or "input_ids" in params:
+        raise DFlashError("bad_params", "check_options takes generation options, not a prompt")
+    req = generation_request(dict(params, prompt="-"))
+    req.sampling()
+    constraint = constraint_of(req)
+    if constraint is not None and engine.endpoint is not None:
+        raise DFlashError("unsupported_option", f"{constraint.kind} is applied by dflash's own decoding step, which "
+                          "does not run with --backend openai")
+    return {"constraint": None if constraint is None else constraint.kind}
 
 
 def memory_text(prompt: str, output: str) -> str:

@@ -9,7 +9,9 @@ Response: {"v": 1, "id": "<same id>", "ok": true,  "result": {...}}
 
 Operations: hello, status, generate, generate_many (params {"prompts": [...], options as for
 generate}: one batched request, answered {"results": [one generate answer per prompt]}),
-generate_block, embed, cancel (params {"request_id": ...}),
+generate_block, embed, cancel (params {"request_id": ...}), check_options (params: generation
+options; answered {"constraint": its kind or null} once their types and their constraint are
+checked, nothing generated),
 explain_policy (params {"prior": {"accepted": [...], "judged": [...]}}), reload_drafter (params
 {"path": folder under the worker's drafter roots (default: the current drafter's folder again),
 "sha256": the weights' expected digest}).
@@ -29,7 +31,7 @@ DEFAULT_SOCKET = "/run/dflash/worker.sock"
 DEFAULT_MAX_FRAME = 8 * 1024 * 1024
 HEADER = struct.Struct("!I")
 OPERATIONS = ("hello", "status", "generate", "generate_many", "generate_block", "embed", "cancel", "explain_policy",
-              "reload_drafter")
+              "reload_drafter", "check_options")
 
 
 # A workload's history (its past outputs, for the suffix proposer's memory) as the caller's
@@ -64,6 +66,16 @@ def wants_prior(params: dict) -> bool:
     """Whether a generation should start from its workload's pooled acceptance, which steers
     its block lengths (`_workload_steers`)."""
     return _workload_steers(params)
+
+
+def cut_short(result: dict) -> str | None:
+    """Why a generate answer may not be given out as an answer: a constrained one (json_schema,
+    regex, choices) that max_new_tokens or the context cut short of its form, which would not
+    parse or validate (error code `truncated`); None when it may."""
+    if not result.get("truncated"):
+        return None
+    return (f"the answer was cut short of its form after {result.get('new_tokens')} new tokens "
+            f"(finish_reason {result.get('finish_reason')}); raise max_new_tokens")
 
 
 class ProtocolError(Exception):

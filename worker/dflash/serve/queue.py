@@ -33,7 +33,7 @@ from psycopg.types.json import Jsonb
 from dflash import error_codes
 from dflash.errors import DFlashError
 from dflash.options import SQL_OPTIONS
-from dflash.serve.protocol import HISTORY_TOKENS, pg_text, wants_prior, wants_workload, workload_key
+from dflash.serve.protocol import HISTORY_TOKENS, cut_short, pg_text, wants_prior, wants_workload, workload_key
 
 log = logging.getLogger("dflash.queue")
 
@@ -209,6 +209,8 @@ class QueueConsumer:
     def _write(self, conn, tbl_oid, tbl, key, prompt, role, waited_ms, options, writer, started) -> None:
         job, params, t = started
         res = pg_text(self.worker.wait(job))
+        if (why := cut_short(res)) is not None:  # never written as if it were an answer
+            raise DFlashError("truncated", f"{tbl}, key {key}: {why}")
         total_ms = (time.monotonic() - t) * 1000 + waited_ms
         conn.execute("SELECT set_config('statement_timeout', %s, true)", (f"{int(self.write_timeout_s * 1000)}ms",))
         written = conn.execute(

@@ -29,7 +29,7 @@ from dflash.engine.scheduler import Call, Scheduler
 from dflash.engine.stats import pooled_tau
 from dflash.errors import DFlashError
 from dflash.serve.drafters import DrafterReloader
-from dflash.serve.jobs import Answers, Job, error_reply
+from dflash.serve.jobs import Answers, Job, check_options, error_reply
 from dflash.serve.sockets import bind_socket, hung_up, peer_creds
 from dflash.serve.protocol import (
     DEFAULT_MAX_FRAME,
@@ -220,6 +220,12 @@ class Worker:
         if op == "explain_policy":  # arithmetic over the cost curve: no model, no engine thread
             try:
                 result = self.engine.explain_policy(check_prior(params.get("prior")))
+            except DFlashError as exc:
+                return self._error(rid, exc.code, exc.message)
+            return {"v": PROTOCOL_VERSION, "id": rid, "ok": True, "result": result}
+        if op == "check_options":  # the grammar library's check: no model, no engine thread
+            try:
+                result = check_options(self.engine, params)
             except DFlashError as exc:
                 return self._error(rid, exc.code, exc.message)
             return {"v": PROTOCOL_VERSION, "id": rid, "ok": True, "result": result}

@@ -10,6 +10,7 @@ import importlib
 PROPOSERS = [
     "dflash.engine.proposers.dflash",  # the DFlash drafter: a block per pass, when chosen
     "dflash.engine.proposers.suffix_head",  # suffix chains (the next-token head picks a first token), head guesses
+    "dflash.engine.proposers.forced",  # the tokens a request's grammar forces (json_schema, regex, choices)
 ]
 
 
