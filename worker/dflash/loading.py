@@ -69,13 +69,14 @@ TARGET_BACKENDS = ("auto", "hf", "llamacpp", "ort", "ort-q4_1")
 def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "float32", random_drafter=False,
                 cost_dir: Path | None = None, draft_dtype: str | None = None, target_backend: str = "auto",
                 target_gguf: Path | None = None, draft_vocab: str | None = "auto", head: str | None = "auto"):
-    """An Engine over the target folder and the drafter (any format), on `device` in `dtype`.
+    """An Engine over the target folder and the drafter (any format; None: no DFlash drafter,
+    the free proposers only), on `device` in `dtype`.
     The target runs in `target_backend` (dflash.engine.target: hf, the reference; llamacpp,
     the GGUF `target_gguf` in llama.cpp; ort, an int8 ONNX export in ONNX Runtime; the last
     two on a CPU); auto takes the one this machine runs fastest (see `fastest_engine`).
     `draft_vocab`: the drafter's draft vocabulary (dflash.engine.draft_vocab: auto, full or
-    a file). `head`: the next-token head (dflash.engine.proposers.head): auto (the shipped
-    one, where it was made for the target and backend), none, or a folder."""
+    a file). `head`: the next-token head (dflash.engine.proposers.head): auto (one made for
+    the target and backend, shipped or made here), none, or a folder."""
     import torch
 
     from dflash.engine import draft_vocab as vocab_file
@@ -93,15 +94,17 @@ def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "floa
     if target_backend not in TARGET_BACKENDS:
         raise DFlashError("bad_params",
                           f"--target-backend must be one of {', '.join(TARGET_BACKENDS)}, got '{target_backend}'")
-    drafter, sha = load_versioned(drafter_dir, device=device, dtype=DTYPES[dtype])
-    vocab = vocab_file.for_drafter(drafter_dir if Path(drafter_dir).is_dir() else None, draft_vocab)
+    drafter, sha, vocab = None, None, None
+    if drafter_dir is not None:
+        drafter, sha = load_versioned(drafter_dir, device=device, dtype=DTYPES[dtype])
+        vocab = vocab_file.for_drafter(drafter_dir if Path(drafter_dir).is_dir() else None, draft_vocab)
     builders = target_builders(target_dir, device, dtype, target_gguf)
-    head_dir = head_folder(head)
+    head_dir = head_folder(head, Path(target_dir).name)
 
     def engine_over(target, draft_dtype=draft_dtype):
-        return Engine(target, drafter, drafter_name=Path(drafter_dir).name, random_drafter=random_drafter,
-                      cost_dir=cost_dir, drafter_sha256=sha, draft_dtype=draft_dtype, draft_vocab=vocab,
-                      head_dir=head_dir)
+        return Engine(target, drafter, drafter_name=Path(drafter_dir).name if drafter_dir is not None else None,
+                      random_drafter=random_drafter, cost_dir=cost_dir, drafter_sha256=sha, draft_dtype=draft_dtype,
+                      draft_vocab=vocab, head_dir=head_dir)
 
     probes = probe_dir()
     if target_backend != "auto":
@@ -355,16 +358,17 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
     return engine
 
 
-def head_folder(choice: str | None) -> Path | None:
-    """--head's folder: auto (the shipped head), none, or a folder holding one."""
+def head_folder(choice: str | None, target_name: str | None = None) -> Path | list[Path] | None:
+    """--head's folders: auto (every head made for `target_name`, shipped or made here, in
+    order of preference: dflash.model_files.head_candidates), none, or a folder holding one."""
     from dflash.engine.proposers.head import CONFIG_FILE
     from dflash.errors import DFlashError
-    from dflash.model_files import SHIPPED_HEAD
+    from dflash.model_files import head_candidates
 
     if choice in (None, "none"):
         return None
     if choice == "auto":
-        return SHIPPED_HEAD
+        return head_candidates(target_name) if target_name is not None else None
     if not (Path(choice) / CONFIG_FILE).is_file():
         raise DFlashError("bad_head", f"--head {choice}: no next-token head there (no config.json)")
     return Path(choice)
@@ -393,8 +397,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "all), full, or a draft_vocab.json (dflash.train.draft_vocab makes one)")
     p.add_argument("--head", default="auto", metavar="auto|none|DIR",
                    help="the next-token head that guesses one token where nothing else proposes (block length "
-                        "auto): auto (the shipped one, where it was made for the target and backend), none, or a "
-                        "folder (python -m dflash.train.next_head makes one)")
+                        "auto): auto (one made for the target and the backend it runs in: shipped, or made here into "
+                        "CACHE/heads/TARGET/), none, or a folder (python -m dflash.train.next_head makes one)")
 
 
 BACKENDS = ("native", "openai")

@@ -102,7 +102,8 @@ def reference_engine(engine: Engine) -> Engine:
 
     target = HFTarget.from_pretrained(engine.target.hf_dir)
     # A copy: an Engine moves its drafter to its own dtype, which must not change the other's.
-    return Engine(target, copy.deepcopy(engine.in_use().source), engine.drafter_name, cost_curve=engine.cost_curve)
+    drafter = copy.deepcopy(engine.in_use().source) if engine.dflash is not None else None
+    return Engine(target, drafter, engine.drafter_name, cost_curve=engine.cost_curve)
 
 
 @dataclass
