@@ -59,6 +59,7 @@ class Engine(RequestChecks):
         draft_vocab: torch.Tensor | None = None,
         draft_runtime: str | None = None,
         head_dir: str | Path | list[Path] | None = None,
+        draft_model: Target | None = None,
     ):
         self.target = target
         self.config = config
@@ -74,6 +75,8 @@ class Engine(RequestChecks):
         # The next-token head (block length auto): the first in `head_dir` (a folder, or a list
         # of them in order of preference) made for this target and backend.
         self.head_dir = head_dir
+        # A smaller model with the target's tokenizer, drafting token by token (proposers/draft_model.py).
+        self.draft_model = draft_model
         self.proposers = registry.build(self)  # every proposer, in the registry's order
         self.cost_dir = cost_dir
         self._cost_curve = cost_curve
