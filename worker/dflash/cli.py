@@ -94,8 +94,7 @@ def check_before_loading(args, req) -> None:
     if check_backend_args(args):  # the endpoint's model is not here to read
         return
     target_dir, drafter, _ = resolve_models(target_arg(args), args.drafter)  # a first use converts, and says so
-    drafter = Path(drafter)
-    if not drafter.exists():
+    if drafter is not None and not Path(drafter).exists():
         raise DFlashError("bad_drafter", f"drafter not found: {drafter}")
     try:
         cfg = json.loads((Path(target_dir) / "config.json").read_text())
@@ -108,8 +107,9 @@ def check_before_loading(args, req) -> None:
     checks = RequestChecks()
     checks.target = limits
     checks.tokenizer = "not loaded"  # stop strings are checked as strings here; the tokenizer's part is the engine's
-    checks.block_size = DrafterConfig.from_file(drafter / "config.json").block_size if drafter.is_dir() else None
-    if checks.block_size is None:  # a .gguf or .onnx drafter: its block size is checked when it loads
+    checks.block_size = (DrafterConfig.from_file(Path(drafter) / "config.json").block_size
+                         if drafter is not None and Path(drafter).is_dir() else None)
+    if checks.block_size is None:  # a .gguf or .onnx drafter, or none: the block size is checked when it loads
         req = replace(req, block_size=None)
     if req.input_ids is not None or req.prompt is None or not str(req.prompt).strip():
         n_prompt = len(checks.prompt_ids(req))  # the ids, or the refusal of no prompt or an empty one
@@ -223,7 +223,7 @@ def cmd_bench(args) -> int:
     from pathlib import Path
 
     from dflash.bench.run import check_drafter, markdown, reference_engine, run_bench, write_report
-    from dflash.model_files import default_target_dir, resolve_target
+    from dflash.model_files import resolve_models
 
     from dflash.train.assistant import assistant_dir
 
@@ -231,8 +231,7 @@ def cmd_bench(args) -> int:
 
     methods = args.methods.split(",")
     # Only the embedded default has a drafter unless one is given (before any model loads).
-    check_drafter(methods, bool(args.drafter) or
-                  resolve_target(target_arg(args)).folder.resolve() == default_target_dir().resolve())
+    check_drafter(methods, resolve_models(target_arg(args), args.drafter)[1] is not None)
     engine = engine_from_args(args)
     peer = peer_for(target_arg(args), args.drafter, methods, engine.block_size, args.target_gguf)
     assistant = assistant_dir(args.assistant, reference_engine(engine).target.model, args.target is None) if (

@@ -68,14 +68,18 @@ TARGET_BACKENDS = ("auto", "hf", "llamacpp", "ort", "ort-q4_1", "ort-q4_k_m")
 
 def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "float32", random_drafter=False,
                 cost_dir: Path | None = None, draft_dtype: str | None = None, target_backend: str = "auto",
-                target_gguf: Path | None = None, draft_vocab: str | None = "auto", head: str | None = "auto"):
-    """An Engine over the target folder and the drafter (any format), on `device` in `dtype`.
+                target_gguf: Path | None = None, draft_vocab: str | None = "auto", head: str | None = "auto",
+                draft_model: str | None = None):
+    """An Engine over the target folder and the drafter (any format; None: no DFlash drafter,
+    the free proposers only), on `device` in `dtype`.
     The target runs in `target_backend` (dflash.engine.target: hf, the reference; llamacpp,
     the GGUF `target_gguf` in llama.cpp; ort, an int8 ONNX export in ONNX Runtime; the last
     two on a CPU); auto takes the one this machine runs fastest (see `fastest_engine`).
     `draft_vocab`: the drafter's draft vocabulary (dflash.engine.draft_vocab: auto, full or
-    a file). `head`: the next-token head (dflash.engine.proposers.head): auto (the shipped
-    one, where it was made for the target and backend), none, or a folder."""
+    a file). `head`: the next-token head (dflash.engine.proposers.head): auto (one made for
+    the target and backend, shipped or made here), none, or a folder. `draft_model`: a smaller
+    model with the target's tokenizer that drafts token by token (a name, a GGUF file or a
+    folder; see load_draft_model), or None."""
     import torch
 
     from dflash.engine import draft_vocab as vocab_file
@@ -93,15 +97,18 @@ def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "floa
     if target_backend not in TARGET_BACKENDS:
         raise DFlashError("bad_params",
                           f"--target-backend must be one of {', '.join(TARGET_BACKENDS)}, got '{target_backend}'")
-    drafter, sha = load_versioned(drafter_dir, device=device, dtype=DTYPES[dtype])
-    vocab = vocab_file.for_drafter(drafter_dir if Path(drafter_dir).is_dir() else None, draft_vocab)
+    drafter, sha, vocab = None, None, None
+    if drafter_dir is not None:
+        drafter, sha = load_versioned(drafter_dir, device=device, dtype=DTYPES[dtype])
+        vocab = vocab_file.for_drafter(drafter_dir if Path(drafter_dir).is_dir() else None, draft_vocab)
     builders = target_builders(target_dir, device, dtype, target_gguf)
-    head_dir = head_folder(head)
+    head_dir = head_folder(head, Path(target_dir).name)
+    small = load_draft_model(draft_model, device, dtype) if draft_model else None
 
     def engine_over(target, draft_dtype=draft_dtype):
-        return Engine(target, drafter, drafter_name=Path(drafter_dir).name, random_drafter=random_drafter,
-                      cost_dir=cost_dir, drafter_sha256=sha, draft_dtype=draft_dtype, draft_vocab=vocab,
-                      head_dir=head_dir)
+        return Engine(target, drafter, drafter_name=Path(drafter_dir).name if drafter_dir is not None else None,
+                      random_drafter=random_drafter, cost_dir=cost_dir, drafter_sha256=sha, draft_dtype=draft_dtype,
+                      draft_vocab=vocab, head_dir=head_dir, draft_model=small)
 
     probes = probe_dir()
     if target_backend != "auto":
@@ -320,6 +327,19 @@ def load_target(target_dir, backend: str, device: str = "cpu", dtype: str = "flo
     return target
 
 
+def load_draft_model(spec: str, device: str = "cpu", dtype: str = "float32"):
+    """--draft-model: a smaller model with the target's tokenizer (a model name, a GGUF file or a
+    Hugging Face folder, resolved as --target is), as a target of its own: in llama.cpp where it
+    has a GGUF that this machine's llama.cpp runs (it needs no layer features), else in
+    transformers. The engine checks its tokenizer against the target's."""
+    from dflash.model_files import probe_dir, resolve_target
+
+    files = resolve_target(spec)
+    native = target_builders(files.folder, device, dtype, files.gguf)["llamacpp"]
+    backend = "llamacpp" if native.why_not is None and native.verdict(probe_dir()).usable else "hf"
+    return load_target(files.folder, backend, device, dtype, files.gguf)
+
+
 def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | None):
     """The engine over the target backend that decodes fastest here with block length auto:
     per backend a plain step, verify blocks of 2 and 4 (with the drafter's features) and the
@@ -382,16 +402,17 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
     return engine
 
 
-def head_folder(choice: str | None) -> Path | None:
-    """--head's folder: auto (the shipped head), none, or a folder holding one."""
+def head_folder(choice: str | None, target_name: str | None = None) -> Path | list[Path] | None:
+    """--head's folders: auto (every head made for `target_name`, shipped or made here, in
+    order of preference: dflash.model_files.head_candidates), none, or a folder holding one."""
     from dflash.engine.proposers.head import CONFIG_FILE
     from dflash.errors import DFlashError
-    from dflash.model_files import SHIPPED_HEAD
+    from dflash.model_files import head_candidates
 
     if choice in (None, "none"):
         return None
     if choice == "auto":
-        return SHIPPED_HEAD
+        return head_candidates(target_name) if target_name is not None else None
     if not (Path(choice) / CONFIG_FILE).is_file():
         raise DFlashError("bad_head", f"--head {choice}: no next-token head there (no config.json)")
     return Path(choice)
@@ -418,10 +439,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", default="auto", metavar="auto|full|FILE",
                    help="tokens the drafter may propose: auto (its folder's draft_vocab.json if it has one, else "
                         "all), full, or a draft_vocab.json (dflash.train.draft_vocab makes one)")
+    p.add_argument("--draft-model", metavar="NAME|GGUF|DIR",
+                   help="a smaller model with the target's tokenizer that drafts token by token (classic speculative "
+                        "decoding), e.g. qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct: a model name, "
+                        "a GGUF file or a Hugging Face folder; run in llama.cpp where it has a GGUF, else in "
+                        "transformers; block length auto drafts with it where it pays (default: none)")
     p.add_argument("--head", default="auto", metavar="auto|none|DIR",
                    help="the next-token head that guesses one token where nothing else proposes (block length "
-                        "auto): auto (the shipped one, where it was made for the target and backend), none, or a "
-                        "folder (python -m dflash.train.next_head makes one)")
+                        "auto): auto (one made for the target and the backend it runs in: shipped, or made here into "
+                        "CACHE/heads/TARGET/), none, or a folder (python -m dflash.train.next_head makes one)")
 
 
 BACKENDS = ("native", "openai")
@@ -445,6 +471,9 @@ def check_backend_args(args) -> bool:
     remote = getattr(args, "backend", "native") == "openai"
     if remote and not args.endpoint:
         raise DFlashError("bad_params", "--backend openai needs --endpoint URL")
+    if remote and getattr(args, "draft_model", None):
+        raise DFlashError("bad_params", "--draft-model drafts here, for a target run here: with --backend openai the "
+                          "endpoint drafts")
     if not remote and (getattr(args, "endpoint", None) or getattr(args, "api_key_file", None)
                        or getattr(args, "model", None)):
         raise DFlashError("bad_params", "--endpoint, --api-key-file and --model go with --backend openai")
@@ -481,4 +510,4 @@ def engine_from_args(args):
     return load_engine(target, drafter, device=args.device, dtype=args.dtype, random_drafter=is_random,
                        cost_dir=cost_dir(), draft_dtype=args.draft_dtype, draft_vocab=getattr(args, "draft_vocab", "auto"),
                        target_backend=getattr(args, "target_backend", "auto"), target_gguf=gguf,
-                       head=getattr(args, "head", "auto"))
+                       head=getattr(args, "head", "auto"), draft_model=getattr(args, "draft_model", None))

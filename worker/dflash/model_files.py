@@ -90,8 +90,9 @@ MODELS = {m.name: m for m in (
 SHIPPED_DRAFTER = Path(__file__).parent / "assets" / "drafters" / f"{DEFAULT_TARGET_NAME}-dflash-b16"
 # The autoregressive draft model for the `assisted-ar` benchmark baseline (layers only).
 SHIPPED_ASSISTANT = Path(__file__).parent / "assets" / "assistants" / f"{DEFAULT_TARGET_NAME}-ar4"
-# The next-token head (dflash.engine.proposers.head; made by dflash.train.next_head).
-SHIPPED_HEAD = Path(__file__).parent / "assets" / "heads" / f"{DEFAULT_TARGET_NAME}-next"
+# The next-token heads (dflash.engine.proposers.head; made by dflash.train.next_head): the
+# shipped ones, each in a folder of its own here.
+SHIPPED_HEADS = Path(__file__).parent / "assets" / "heads"
 RANDOM_DRAFTER_NAME = f"random-drafter-{DEFAULT_TARGET_NAME}"
 
 
@@ -112,6 +113,26 @@ def probe_dir() -> Path:
     fact of the CPU and the build, which a busy machine does not distort, so the tests and a
     user's runs share it."""
     return Path(os.environ.get("DFLASH_PROBE_DIR") or cache_dir() / "probes")
+
+
+def heads_dir(target_name: str) -> Path:
+    """Where heads made here for a target live (CACHE/heads/<target>/<one folder each>):
+    `python -m dflash.train.next_head`'s default output."""
+    return cache_dir() / "heads" / target_name
+
+
+def head_candidates(target_name: str) -> list[Path]:
+    """The heads `--head auto` chooses among for a target, in order of preference: those made
+    here for it (newest first), then the shipped ones made for it. The engine loads the first
+    made for the target and the backend it runs in (dflash.engine.proposers.head.for_target)."""
+    from dflash.engine.proposers.head import CONFIG_FILE, made_for
+
+    def heads(root: Path) -> list[Path]:
+        found = [d for d in root.iterdir() if (d / CONFIG_FILE).is_file()] if root.is_dir() else []
+        return [d for d in found if made_for(d) == target_name]
+
+    local = sorted(heads(heads_dir(target_name)), key=lambda d: (d / CONFIG_FILE).stat().st_mtime, reverse=True)
+    return local + sorted(heads(SHIPPED_HEADS))
 
 
 def default_target_dir() -> Path:
@@ -405,14 +426,14 @@ def resolve_tokenizer(target: str | Path | None, quiet: bool = False) -> Path:
                           weights=False)
 
 
-def resolve_models(target: str | None, drafter: str | None, quiet: bool = False) -> tuple[Path, Path, bool]:
-    """Fill in the embedded defaults for whatever was not given: (target folder, drafter,
-    drafter_is_random). The default drafter fits the default target only."""
+def resolve_models(target: str | None, drafter: str | None, quiet: bool = False) -> tuple[Path, Path | None, bool]:
+    """Fill in the embedded defaults for whatever was not given: (target folder, drafter or
+    None, drafter_is_random). The default drafter fits the default target only: another
+    target given no --drafter runs without one (the free proposers, block length auto)."""
     files = resolve_target(target, quiet)
     if drafter:
         return files.folder, Path(drafter), False
     if files.folder.resolve() != default_target_dir().resolve():
-        raise DFlashError("bad_drafter", f"the target {target} needs its own --drafter: the project's drafter fits "
-                          f"{DEFAULT_TARGET_NAME} only")
+        return files.folder, None, False
     drafter_dir, is_random = ensure_default_drafter(files.folder, quiet)
     return files.folder, drafter_dir, is_random

@@ -73,6 +73,9 @@ def block_size_of(method: str) -> int | None:
 
 
 SUFFIX = "suffix"  # the suffix proposer alone, with the cost policy (dflash-auto: every proposer)
+DRAFT_MODEL = "draft-model"  # the draft model alone (--draft-model), with the cost policy
+# The engine methods of block length auto that let only some proposers draft.
+ALONE = {SUFFIX: ("suffix",), DRAFT_MODEL: ("draft_model",)}
 # Plain decoding by this engine on the reference backend (transformers, fp32), whatever
 # backend the engine's target runs in: how far a quantized backend's output is from it.
 AR_REFERENCE = "ar-reference"
@@ -80,7 +83,7 @@ HF_METHODS = ("ar-hf", "prompt-lookup", "assisted-ar", AR_REFERENCE)  # need the
 
 
 def is_engine_method(method: str) -> bool:
-    return block_size_of(method) is not None or method in (AUTO, SUFFIX)
+    return block_size_of(method) is not None or method == AUTO or method in ALONE
 
 
 def needs_drafter(method: str) -> bool:
@@ -112,7 +115,8 @@ def reference_engine(engine: Engine) -> Engine:
 
     target = HFTarget.from_pretrained(engine.target.hf_dir)
     # A copy: an Engine moves its drafter to its own dtype, which must not change the other's.
-    return Engine(target, copy.deepcopy(engine.in_use().source), engine.drafter_name, cost_curve=engine.cost_curve)
+    drafter = copy.deepcopy(engine.in_use().source) if engine.dflash is not None else None
+    return Engine(target, drafter, engine.drafter_name, cost_curve=engine.cost_curve)
 
 
 @dataclass
@@ -180,6 +184,9 @@ class Runner:
         return self.reference.target.model
 
     def check(self, method: str) -> None:
+        if method == DRAFT_MODEL and self.engine.proposer("draft_model") is None:
+            raise SystemExit("dflash bench: draft-model drafts with --draft-model NAME|GGUF|DIR (a smaller model with "
+                             "the target's tokenizer)")
         if is_engine_method(method) or method in ("ar-hf", "prompt-lookup", AR_REFERENCE):
             return
         if is_peer_method(method):
@@ -208,7 +215,7 @@ class Runner:
         if is_engine_method(method):
             res = self.engine.generate(GenerationRequest(
                 input_ids=prompt_ids, max_new_tokens=self.max_new, block_size=block_size_of(method),
-                workload=workload, proposers=("suffix",) if method == SUFFIX else None, **constraint))
+                workload=workload, proposers=ALONE.get(method), **constraint))
             steps = res.stats.steps
             return Sample(res.output_ids, time.perf_counter() - t, [s.accepted for s in steps], res.stats.drafted,
                           [len(s.draft_ids) + 1 for s in steps], {k: dict(v) for k, v in res.stats.by_proposer.items()},
@@ -269,9 +276,9 @@ def summarize(suite: str, method: str, samples: list[Sample], block: int | None,
     new = sum(len(s.output_ids) for s in samples)
     wall = sum(s.wall_s for s in samples)
     steps = [a for s in samples for a in s.accepted]
-    speculative = ((block is not None and block > 1) or method in HF_SPECULATIVE or method in (AUTO, SUFFIX)
+    speculative = ((block is not None and block > 1) or method in HF_SPECULATIVE or method == AUTO or method in ALONE
                    or is_speculative_peer(method))
-    width = block - 1 if block else (max_block - 1 if method in (AUTO, SUFFIX) else max(steps, default=0))
+    width = block - 1 if block else (max_block - 1 if method == AUTO or method in ALONE else max(steps, default=0))
     per_pos = [0] * width
     for a in steps:
         for i in range(a):
@@ -291,7 +298,7 @@ def summarize(suite: str, method: str, samples: list[Sample], block: int | None,
         "acceptance_length_histogram": dict(sorted(Counter(a + 1 for a in steps).items())) if speculative else None,
         "verify_length_histogram": (dict(sorted(Counter(v for s in samples for v in s.verify_lengths).items()))
                                     if method == AUTO else None),
-        "proposers": _pool_proposers(samples) if method in (AUTO, SUFFIX) else None,
+        "proposers": _pool_proposers(samples) if method == AUTO or method in ALONE else None,
     }
 
 
@@ -364,7 +371,7 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
         runner.check(m)
     peers = {m: peer.describe(m) for m in methods if is_peer_method(m)}
     settings = {"target": engine.target.name, "target_backend": engine.target.backend,
-                "drafter": engine.drafter_name, "assistant": assistant_dir,
+                "drafter": engine.drafter_name, "assistant": assistant_dir, **_draft_model(engine),
                 "dtype": str(engine.target.dtype), "draft_dtype": dtype_name(engine.draft_dtype),
                 "device": str(engine.target.device), "threads": torch.get_num_threads(), "torch": torch.__version__, "max_new_tokens": max_new,
                 **({"peers": peers} if peers else {})}
@@ -437,6 +444,7 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
         "target": engine.target.name,
         "drafter": engine.drafter_name,
         "random_drafter": engine.random_drafter,
+        **_draft_model(engine),
         "max_new_tokens": max_new,
         "greedy_reference": "ar" if "ar" in methods else "ar-hf",
         "target_backend": engine.target.backend,
@@ -446,6 +454,12 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
         **({"peers": peers} if peers else {}),  # the runtime and weight format of each llama.cpp row
         "results": results,
     }
+
+
+def _draft_model(engine: Engine) -> dict:
+    """The draft model an engine drafts with (--draft-model), where it has one."""
+    model = getattr(engine, "draft_model", None)
+    return {"draft_model": f"{model.name} ({model.backend})"} if model is not None else {}
 
 
 def _fmt(x, spec):

@@ -58,7 +58,8 @@ class Engine(RequestChecks):
         draft_dtype: str | torch.dtype | None = None,
         draft_vocab: torch.Tensor | None = None,
         draft_runtime: str | None = None,
-        head_dir: str | Path | None = None,
+        head_dir: str | Path | list[Path] | None = None,
+        draft_model: Target | None = None,
     ):
         self.target = target
         self.config = config
@@ -71,9 +72,11 @@ class Engine(RequestChecks):
         # Finished requests' prompts kept in the target's K/V memory for their workload's next
         # ones, where the backend's cached rows are exact to reuse (dflash.engine.prefix_cache).
         self.prefixes = PrefixCache(target) if PrefixCache.supported(target) else None
-        # The next-token head (block length auto) is read from `head_dir` where it holds one
-        # made for this target and backend.
+        # The next-token head (block length auto): the first in `head_dir` (a folder, or a list
+        # of them in order of preference) made for this target and backend.
         self.head_dir = head_dir
+        # A smaller model with the target's tokenizer, drafting token by token (proposers/draft_model.py).
+        self.draft_model = draft_model
         self.proposers = registry.build(self)  # every proposer, in the registry's order
         self.cost_dir = cost_dir
         self._cost_curve = cost_curve
@@ -196,8 +199,8 @@ class Engine(RequestChecks):
         params = req.sampling()
         prompt_ids = self.prompt_ids(req)
         fixed = self.validate(req, len(prompt_ids))
-        if fixed is not None and fixed > 1 and self.dflash is None:
-            raise DFlashError("bad_block_size", "this engine runs without a drafter: block size 1 or null (auto)")
+        if fixed is not None and fixed > 1 and not any(p.deferred for p in self.proposers):
+            raise DFlashError("bad_block_size", "this engine runs without a model drafter: block size 1 or null (auto)")
         block = fixed if fixed is not None else self.block_size
         gen = None
         if not params.greedy:
@@ -226,8 +229,12 @@ class Engine(RequestChecks):
             allowed = {p.name for p in self.proposers if p.deferred}
         for proposer in self.proposers:
             proposer.join(state, req, allowed)
+            if proposer.deferred and proposer.name in state.proposals:  # one model drafter per request
+                allowed = allowed - {p.name for p in self.proposers if p.deferred}
         if auto:
             state.policy = self._policy(state, req)
+        # the proposers the generation has (its statistics say so even of those that never draft)
+        state.stats.had(state.proposals)
         return state
 
     def _matcher(self, req: GenerationRequest):
@@ -252,12 +259,13 @@ class Engine(RequestChecks):
         estimates = {}
         for proposer in self.proposers:
             estimates.update(proposer.calibrations(state, req, prior, width))
-        policy = BlockPolicy(self.cost_curve, state.block_size, self.config, estimates)
-        for proposer in self.proposers:
-            if proposer.deferred and proposer.name in state.proposals and policy.drafter_sits_out(
-                    len(state.prompt_ids), self.steps_expected(req)):
-                del state.proposals[proposer.name]
-                policy.drop(proposer.name)
+        drafter = next((p for p in self.proposers if p.deferred and p.name in state.proposals), None)
+        policy = BlockPolicy(self.cost_curve, state.block_size, self.config, estimates,
+                             drafter.priced if drafter is not None else None)
+        if drafter is not None and policy.drafter_sits_out(len(state.prompt_ids), self.steps_expected(req)):
+            drafter.leave(state)
+            del state.proposals[drafter.name]
+            policy.drop(drafter.name)
         return policy
 
     def status(self) -> dict:
@@ -376,6 +384,8 @@ class Engine(RequestChecks):
     def release(self, state: DecodeState) -> None:
         """Free a state's memory (a request that ends early: cancelled, past its deadline)."""
         self.target.free(state.seq)
+        for proposer in self.proposers:
+            proposer.leave(state)
         state.proposals.clear()
 
     def finish(self, state: DecodeState) -> GenerationResult:

@@ -97,9 +97,13 @@ class BlockPolicy:
     forward plus what its extra rows add, and time is worth the batch's rate, so
     speculation backs off under load where verifying extra rows no longer pays."""
 
-    def __init__(self, costs: CostCurve, max_block: int, cfg: SpeculativeConfig, estimates: dict | None = None):
+    def __init__(self, costs: CostCurve, max_block: int, cfg: SpeculativeConfig, estimates: dict | None = None,
+                 priced=None):
+        """`priced`: the model drafter's own prices (its proposer's `priced`: the step's prices
+        with its drafts at what they cost); None: the cost curve's, the DFlash drafter's."""
         self.cfg = cfg
-        self.prices: Prices = costs.solo()
+        self._priced = priced or (lambda prices: prices)
+        self.prices: Prices = self._priced(costs.solo())
         self.max_block = min(max_block, costs.max_block)
         self.estimates = dict(estimates or {})
         deferred = [name for name, e in self.estimates.items() if e.deferred]
@@ -141,8 +145,8 @@ class BlockPolicy:
     # --- estimates -------------------------------------------------------------------
 
     def price(self, prices: Prices) -> None:
-        """The prices of the step about to be planned."""
-        self.prices = prices
+        """The prices of the step about to be planned (its drafts at the model drafter's own)."""
+        self.prices = self._priced(prices)
 
     @property
     def rate(self) -> float:

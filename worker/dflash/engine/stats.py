@@ -45,7 +45,8 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)
     judged_per_position: list[int] = field(default_factory=list)
     verify_lengths: Counter = field(default_factory=Counter)
-    # Per proposer that drafted: steps it drafted, tokens it had verified, tokens kept.
+    # Per proposer the generation had (every one that joined it, whether it drafted or not):
+    # steps it drafted, tokens it had verified, tokens kept.
     by_proposer: dict = field(default_factory=dict)
     # With a constraint (json_schema, regex, choices): whether the output ended short of a
     # whole answer (max_new_tokens or the context cut it); None without one.
@@ -70,7 +71,8 @@ class GenerationStats:
         self.steps.append(StepRecord(draft_ids, accepted))
         self.verify_lengths[len(draft_ids) + 1] += 1
         if proposer is not None and draft_ids:
-            c = self.by_proposer.setdefault(proposer, {"steps": 0, "drafted": 0, "accepted": 0})
+            self.had((proposer,))
+            c = self.by_proposer[proposer]
             c["steps"] += 1
             c["drafted"] += len(draft_ids)
             c["accepted"] += accepted
@@ -78,6 +80,11 @@ class GenerationStats:
             return
         _add_at(self.accepted_per_position, accepted)
         _add_at(self.judged_per_position, judged(accepted, len(draft_ids) + 1))
+
+    def had(self, proposers) -> None:
+        """These proposers joined the generation (counted from nothing where they do not draft)."""
+        for name in proposers:
+            self.by_proposer.setdefault(name, {"steps": 0, "drafted": 0, "accepted": 0})
 
     @property
     def num_steps(self) -> int:

@@ -1,12 +1,13 @@
 """Train the next-token head (dflash.engine.proposers.head) on the target's own greedy answers.
 
-    python -m dflash.train.next_head --out DIR [--target NAME|GGUF|DIR] [--records 1500] [--heldout 150]
+    python -m dflash.train.next_head [--out DIR] [--target NAME|GGUF|DIR] [--records 1500] [--heldout 150]
                                      [--epochs 3] [--vocab 2048] [--backends ort,ort-q4_1]
                                      [--answers FILE.jsonl | --prompts N [--max-new-tokens N]]
 
 A head is made for one target (`--target`: a Hugging Face folder, a GGUF file or a model
 name; default the embedded SmolLM2) and the backends named in it: the engine loads it only
-for those (dflash.engine.proposers.head.fits). Its examples are the target's own greedy
+for those (dflash.engine.proposers.head.fits). It is written to `--out`, by default
+CACHE/heads/<target>/<backends>/, where `--head auto` finds it (dflash.model_files.head_candidates). Its examples are the target's own greedy
 answers: the shipped corpus (dflash.train.corpus) for the default target, else `--answers`
 (a JSONL of prompt, prompt_ids, response_ids, e.g. a `dflash train` run's data.jsonl) or the
 target's answers to `--prompts N` offline prompts, regenerated into DIR/answers/ (kept: a
@@ -156,12 +157,13 @@ def training_answers(args, target, files) -> tuple[list[dict], str]:
 def main(argv: list[str] | None = None) -> int:
     from dflash.engine import draft_vocab
     from dflash.loading import load_target
-    from dflash.model_files import SHIPPED_DRAFTER, default_target_dir, resolve_target
+    from dflash.model_files import SHIPPED_DRAFTER, default_target_dir, heads_dir, resolve_target
     from dflash.train.corpus import ANSWER_TOKENS
     from dflash.train.draft_vocab import choose
 
     p = argparse.ArgumentParser(prog="python -m dflash.train.next_head", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="the head's folder (default: CACHE/heads/TARGET/BACKENDS/, where --head auto "
+                   "finds it)")
     p.add_argument("--target", help="a Hugging Face folder, a GGUF file or a model name (dflash models --list) "
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--records", type=int, default=1500)
@@ -187,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         backends = [b for b in (args.backends or (DEFAULT_BACKENDS if default else OTHER_TARGET_BACKENDS)).split(",")
                     if b]
         target = load_target(files.folder, backends[0], gguf=files.gguf)
+        args.out = args.out or str(heads_dir(target.name) / "+".join(backends))
         records, source = training_answers(args, target, files)
         if len(records) <= args.heldout:
             raise DFlashError("bad_params", f"{len(records)} answers leave none to train on after --heldout "
@@ -202,15 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     except DFlashError as exc:
         print(f"dflash: error: {exc.message}", file=sys.stderr)
         return 2
+    out = Path(args.out)
     head, report = train(target, files.folder, train_on, held, vocab, args.epochs)
     info = {"target": target.name, "backends": backends, "layer": target.num_layers - 1,
             "input": "the residual after the last layer, before the final norm, and the next token's embedding",
             "vocab_source": vocab_source, "vocab_k": len(vocab),
             "corpus": {"source": source, "first_records": len(train_on), "heldout_last": len(held)},
             "trained": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **report}
-    head_mod.save(Path(args.out), head, vocab, info)
+    head_mod.save(out, head, vocab, info)
     print(f"held-out top-1 {report['heldout']['top1']:.3f} over {report['heldout']['positions']} positions; "
-          f"written to {args.out}")
+          f"written to {out}")
     return 0
 
 

@@ -205,10 +205,25 @@ class HeadProposer(BaseProposer):
         return np.where(at >= 0, probs[np.maximum(at, 0)], 0.0)
 
 
-def for_target(target, folder: str | Path | None, bits: int | None = 8) -> HeadProposer | None:
-    """The head in `folder` as a proposer for this target (its products in `bits`-bit weights,
-    None: fp32), or None where it does not fit."""
-    if folder is None or not (Path(folder) / CONFIG_FILE).is_file():
+def made_for(folder: str | Path) -> str | None:
+    """The target a head folder says it was made for (None: no head there, or unreadable),
+    read from its config alone (cheap: --head auto weighs every head it knows)."""
+    try:
+        return json.loads((Path(folder) / CONFIG_FILE).read_text()).get("target")
+    except (OSError, ValueError, AttributeError):
         return None
-    w = load(folder)
-    return HeadProposer(target, w, bits) if fits(w, target) else None
+
+
+def for_target(target, folders, bits: int | None = 8) -> HeadProposer | None:
+    """The first head in `folders` (a folder, or a list of them in order of preference) made for
+    this target and the backend it runs in, as a proposer (its products in `bits`-bit weights,
+    None: fp32); None where none fits. A head made for another target is never loaded."""
+    if folders is None:
+        return None
+    for folder in [folders] if isinstance(folders, (str, Path)) else folders:
+        if made_for(folder) != target.name:
+            continue
+        w = load(folder)
+        if fits(w, target):
+            return HeadProposer(target, w, bits)
+    return None

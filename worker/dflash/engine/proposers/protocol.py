@@ -15,7 +15,10 @@ for every decoding state of block length `auto` with room for a draft, it may ma
   one pass for every state that chose it (`propose`); the policy then picks how many of its
   drafts to verify from its confidences.
 
-The policy (dflash.engine.policy) chooses among the offers, by name only; the step never
+A deferred proposer owns its price: `priced(prices)` gives the step's prices with its drafts
+at what they cost (the DFlash drafter's passes are what the device's cost curve times; a draft
+model measures its own forwards), and the policy of a request it joined weighs its drafts by
+that. The policy (dflash.engine.policy) chooses among the offers, by name only; the step never
 names a proposer. After the target verifies, `observe` hands a feature-reading proposer the
 target features of the rows that entered the target's cache for good (the anchor and the
 accepted drafts, or a prefill chunk), and `outcome` tells the proposer that made a chosen
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from dflash.engine.costs import Prices
     from dflash.engine.state import DecodeState
 
 
@@ -87,6 +91,15 @@ class Proposer(Protocol):
         """Join a new request where it may (`allowed`: the names that may draft in it): put
         its per-request state in `state.proposals` under its name (its parts' names)."""
 
+    def leave(self, state: "DecodeState") -> None:
+        """The request is done with it: free what it holds outside Python (a draft model's
+        sequence), if anything."""
+
+    def priced(self, prices: "Prices") -> "Prices":
+        """A deferred proposer's: this step's prices with its drafts (`draft_s`, by positions
+        drafted) and each context row its next pass must take in (`context_row_s`) at what
+        they cost it."""
+
     def calibrations(self, state: "DecodeState", request, prior) -> dict[str, object]:
         """Per offer name it may make in this request, a new calibration (calibration.py:
         PointMass or Drafter; `prior`: the request's per-position prior, policy.Prior)."""
@@ -127,6 +140,14 @@ class BaseProposer:
 
     def layers_of(self, state) -> tuple[int, ...]:
         return ()
+
+    def leave(self, state) -> None:
+        pass
+
+    def priced(self, prices):
+        """The cost curve's draft prices, which are the DFlash drafter's (the curve times its
+        passes); a deferred proposer with another price gives its own."""
+        return prices
 
     def observe(self, state, features) -> None:
         pass
