@@ -145,11 +145,35 @@ def test_one_line_in_the_registry_is_all_it_takes(qwens, tiny_text_engine):
 # --- the real Qwen2.5-Coder models --------------------------------------------------------
 
 
+NEAR_TIE = 0.1  # logits: llama.cpp's quantized kernels move a logit by ~0.05 with the batch's row count
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def plain_margin(target, ids: list[int]) -> float:
+    """The gap between the two best logits after `ids`, from one row as plain decoding has it."""
+    from dflash.engine.target import TargetRow
+
+    seq = target.new_sequence()
+    try:
+        target.forward_batch([TargetRow(seq, ids[:-1], 1)])
+        top = torch.topk(target.forward_batch([TargetRow(seq, ids[-1:], 1)]).logits[0][-1].float(), 2).values
+    finally:
+        target.free(seq)
+    return float(top[0] - top[1])
+
+
 @pytest.mark.slow
 def test_qwen_coder_05b_drafting_for_the_15b_is_plain_greedy():
     """Qwen2.5-Coder-0.5B drafts for the 1.5B (both in llama.cpp, as --draft-model loads them):
     over a few prompts, drafting every step and under block length auto, the output is the
-    1.5B's own plain greedy output, and most of the 0.5B's drafts are kept."""
+    1.5B's own plain greedy output, and most of the 0.5B's drafts are kept. llama.cpp's logits
+    depend slightly on how many rows a forward verifies, so an exact tie-breaking between two
+    near-equal tokens may differ from plain decoding's: where the outputs part, the test asks
+    that plain decoding's two best tokens there were within NEAR_TIE of each other (the
+    reference backend, hf, has no such slack: the tests above use it)."""
     from dflash.loading import load_draft_model, load_target
     from dflash.model_files import QWEN_CODER_05B, QWEN_CODER_15B, resolve_target
     from tests.test_train_targets import _need
@@ -167,10 +191,16 @@ def test_qwen_coder_05b_drafting_for_the_15b_is_plain_greedy():
                    "Explain what a database index is in two sentences.",
                    "Write a SQL query that returns the ten newest orders."):
         req = dict(prompt=prompt, chat=True, max_new_tokens=24)
-        want = engine.generate(GenerationRequest(**req, block_size=1)).output_ids
+        plain_res = engine.generate(GenerationRequest(**req, block_size=1))
+        want = plain_res.output_ids
         for block in (4, None):
             res = engine.generate(GenerationRequest(**req, block_size=block, proposers=("draft_model",)))
-            assert res.output_ids == want, (prompt, block)
+            i = first_difference(res.output_ids, want)
+            if i is not None:
+                margin = plain_margin(target, list(res.prompt_ids) + want[:i])
+                assert margin < NEAR_TIE, (prompt, block, i, margin)
+            else:
+                assert res.output_ids == want, (prompt, block)
             kept += res.stats.by_proposer["draft_model"]["accepted"]
             drafted += res.stats.by_proposer["draft_model"]["drafted"]
     assert kept > drafted / 2

@@ -102,7 +102,7 @@ class DraftModelProposer(BaseProposer):
 
     @torch.inference_mode()
     def _measure(self) -> None:
-        from dflash.engine.costs import CONTEXT_TOKENS, _best_s, bench_context, probe_prompt
+        from dflash.engine.costs import CONTEXT_TOKENS, bench_context, probe_prompt, timed
 
         model = self.model
         context = bench_context(model, CONTEXT_TOKENS, CATCH_UP_ROWS)
@@ -113,11 +113,14 @@ class DraftModelProposer(BaseProposer):
 
             def run(n: int) -> None:
                 model.forward_batch([TargetRow(seq, prompt[context:context + n], 1)])
+
+            def back() -> None:
                 model.rollback(seq, context)
 
             run(CATCH_UP_ROWS)  # warm up the larger shape
-            one = _best_s(lambda: run(1), model.device)
-            many = _best_s(lambda: run(CATCH_UP_ROWS), model.device)
+            back()
+            one = timed(lambda: run(1), model.device, after=back)
+            many = timed(lambda: run(CATCH_UP_ROWS), model.device, after=back)
         finally:
             model.free(seq)
         self._step_s, self._row_s = one, max(many - one, 0.0) / (CATCH_UP_ROWS - 1)
