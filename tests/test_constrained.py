@@ -78,6 +78,9 @@ def test_a_whole_answer_is_valid_and_ends_there(tiny_text_engine):
         res = generate(tiny_text_engine, constraint, max_new_tokens=60)
         assert res.finish_reason == "stop" and res.stats.truncated is False, res.text
         assert res.output_ids[-1] in tiny_text_engine.target.eos_ids and valid(res.text), res.text
+        # the grammar's time is counted, and is part of the decode's
+        assert 0 < res.stats.constraint_s < res.stats.decode_s
+        assert res.stats.to_dict()["constraint_s"] == res.stats.constraint_s
 
 
 def test_an_answer_cut_short_is_truncated(tiny_text_engine):

@@ -128,6 +128,7 @@ class Sample:
     verify_lengths: list[int] = field(default_factory=list)  # per step, engine methods
     proposers: dict = field(default_factory=dict)  # engine methods: per proposer steps, drafted, accepted
     prefill_s: float = 0.0  # engine methods: of wall_s, the prompt's forwards
+    constraint_s: float = 0.0  # engine methods: of wall_s, the constraint's grammar (masks, cuts, commits)
 
 
 class VerifyLog:
@@ -219,7 +220,7 @@ class Runner:
             steps = res.stats.steps
             return Sample(res.output_ids, time.perf_counter() - t, [s.accepted for s in steps], res.stats.drafted,
                           [len(s.draft_ids) + 1 for s in steps], {k: dict(v) for k, v in res.stats.by_proposer.items()},
-                          res.stats.prefill_s)
+                          res.stats.prefill_s, res.stats.constraint_s)
         if constraint:
             raise DFlashError("bad_method", f"{method} cannot constrain its answer (transformers' generate)")
         kwargs = {}
@@ -299,6 +300,9 @@ def summarize(suite: str, method: str, samples: list[Sample], block: int | None,
         "verify_length_histogram": (dict(sorted(Counter(v for s in samples for v in s.verify_lengths).items()))
                                     if method == AUTO else None),
         "proposers": _pool_proposers(samples) if method == AUTO or method in ALONE else None,
+        # what the constraints' grammar cost per verify (engine methods on a constrained suite)
+        "constraint_ms_per_step": (1000 * sum(s.constraint_s for s in samples) / len(steps)
+                                   if valid is not None and steps and any(s.constraint_s for s in samples) else None),
     }
 
 

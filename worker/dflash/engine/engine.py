@@ -396,6 +396,7 @@ class Engine(RequestChecks):
         state.stats.new_tokens = len(ids)
         if state.constraint is not None:  # cut by max_new_tokens or the context short of a whole answer
             state.stats.truncated = not state.constraint.accepts_eos()
+            state.stats.constraint_s = state.constraint.seconds
         if state.policy is not None:
             self.recent_counts.append({**state.policy.counts(), "steps": len(state.stats.steps)})
         if state.workload is not None and ids:

