@@ -38,3 +38,45 @@ def test_against_plain_with_a_block_size_is_refused(capsys):
     with pytest.raises(SystemExit):
         load.main(["--socket", "/nonexistent", "--against-plain", "--block-size", "4"])
     assert "leave out --block-size" in capsys.readouterr().err
+
+
+def test_against_llama_server_sends_the_workers_token_ids_to_it(worker, tmp_path, monkeypatch, capsys):
+    """llama-server gets the same requests as the worker, as the token ids the worker's chat
+    template made, with as many slots as the highest level; its throughput sits beside each
+    level's and it is stopped at the end (a fake server here: tests/test_peers.py
+    starts the real one)."""
+    from dflash.bench.llamacpp import Completion
+
+    class FakeServer:
+        prompts, closed, slots = [], False, None
+
+        def complete(self, prompt_ids, max_new):
+            self.prompts.append(list(prompt_ids))
+            return Completion([7] * max_new, 0.01, [], 0, {})
+
+        def close(self):
+            self.closed = True
+
+    fake = FakeServer()
+
+    def start(args, tmp, slots):
+        fake.slots = slots
+        return fake
+
+    monkeypatch.setattr(load, "start_llama_server", start)
+    assert load.main(["--socket", str(worker.socket_path), "--concurrency", "1,3", "--requests", "3",
+                      "--max-new-tokens", "5", "--against-llama-server", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "load.json").read_text())
+    assert fake.slots == 3 and fake.closed
+    from dflash.serve.client import call
+    from dflash.suites import load_suite
+
+    assert len(fake.prompts) == 2 * 3 and len({tuple(p) for p in fake.prompts}) == 3
+    first = call("generate", {"prompt": load_suite("chat")[0], "max_new_tokens": 1, "chat": True},
+                 path=str(worker.socket_path))
+    assert first["prompt_ids"] in fake.prompts
+    for r in report["runs"]:
+        assert r["llama_server_tokens_per_s"] > 0 and r["llama_server_errors"] == 0
+        assert r["vs_llama_server"] == pytest.approx(r["tokens_per_s"] / r["llama_server_tokens_per_s"])
+        assert r["llama_server_mismatches_vs_solo"] == 3  # its fixed answer is not the worker's
+    assert "× llama-server" in capsys.readouterr().out

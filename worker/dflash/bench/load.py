@@ -21,6 +21,13 @@ share the machine's moment: each level's row then has `plain_tokens_per_s`, `vs_
 (the medians' ratio) and `plain_mismatches_vs_solo`. On a VM whose speed drifts 10-20 %
 within minutes, two separate runs cannot tell a 3 % difference under load; this can.
 
+`--against-llama-server` also starts llama-server on the target's GGUF (the default's Q4_1,
+a named model's or `--target FILE.gguf`'s file, as given) with as many slots as the highest
+level, its threads the worker's, and sends every level's requests to it beside the worker's
+(the same token ids the worker's chat template made, greedy, no prompt cache): each row then
+has `llama_server_tokens_per_s`, `vs_llama_server` and `llama_server_mismatches_vs_solo`
+(against the worker's outputs: only a worker on the llamacpp backend shares its numerics).
+
 Writes DIR/load.json ({"runs": [{"concurrency", "tokens_per_s", "p50_latency_s",
 "p95_latency_s", "mismatches_vs_solo", ...}], ...}) and DIR/load.png.
 """
@@ -79,6 +86,29 @@ class SqlCaller:
         row = conn.execute("SELECT dflash_generate_stats(%s, max_new_tokens => %s, temperature => 0, "
                            "block_size => %s)", args).fetchone()[0]
         return row
+
+
+class LlamaServerCaller:
+    """Requests by token ids to llama-server's /completion (dflash.bench.llamacpp.LlamaServer)."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def __call__(self, params: dict) -> dict:
+        done = self.server.complete(params["prompt_ids"], params["max_new_tokens"])
+        return {"new_tokens": len(done.tokens), "output_ids": done.tokens, "prompt_ids": params["prompt_ids"]}
+
+
+def start_llama_server(args, tmp: str, slots: int):
+    from dflash.bench.llamacpp import LlamaServer, ensure_built
+    from dflash.model_files import resolve_target
+
+    files = resolve_target(args.target, quiet=True)
+    if files.gguf is None:
+        raise SystemExit(f"dflash.bench.load: --against-llama-server needs a target with a GGUF; {files.folder} has none")
+    ensure_built()
+    threads = args.threads or os.cpu_count()
+    return LlamaServer(Path(files.gguf), threads, parallel=slots, trace=False, log=Path(tmp) / "llama-server.log")
 
 
 def run_level(caller, requests: list[dict], concurrency: int) -> dict:
@@ -216,16 +246,30 @@ def plot(report: dict, out: Path) -> None:
 
 def markdown(report: dict) -> str:
     plain = all("vs_plain" in r for r in report["runs"])
+    llama = all("vs_llama_server" in r for r in report["runs"])
     rows = ["| callers | tokens/s | × 1 caller | p50 latency s | p95 latency s | mismatches vs solo | errors |"
-            + (" plain tokens/s | × plain | plain mismatches |" if plain else ""),
-            "|---|---|---|---|---|---|---|" + ("---|---|---|" if plain else "")]
+            + (" plain tokens/s | × plain | plain mismatches |" if plain else "")
+            + (" llama-server tokens/s | × llama-server |" if llama else ""),
+            "|---|---|---|---|---|---|---|" + ("---|---|---|" if plain else "") + ("---|---|" if llama else "")]
     base = report["runs"][0]["tokens_per_s"] or 1.0
     for r in report["runs"]:
         rows.append(f"| {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f} | "
                     f"{r['p50_latency_s']:.2f} | {r['p95_latency_s']:.2f} | {r['mismatches_vs_solo']} | {r['errors']} |"
                     + (f" {r['plain_tokens_per_s']:.1f} | {r['vs_plain']:.3f} | {r['plain_mismatches_vs_solo']} |"
-                       if plain else ""))
+                       if plain else "")
+                    + (f" {r['llama_server_tokens_per_s']:.1f} | {r['vs_llama_server']:.2f} |" if llama else ""))
     return "\n".join(rows) + "\n"
+
+
+def with_llama_server(run: dict, peer: dict) -> dict:
+    """A level's combined row with llama-server's throughput on the same requests beside it."""
+    run = dict(run)
+    run["llama_server_tokens_per_s"] = peer["tokens_per_s"]
+    run["vs_llama_server"] = run["tokens_per_s"] / peer["tokens_per_s"] if peer["tokens_per_s"] else None
+    run["llama_server_mismatches_vs_solo"] = peer["mismatches_vs_solo"]
+    run["llama_server_rounds"] = peer["rounds"]
+    run["llama_server_errors"] = peer["errors"]
+    return run
 
 
 def with_plain(run: dict, plain: dict) -> dict:
@@ -262,6 +306,9 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter")
     ap.add_argument("--against-plain", action="store_true",
                     help="also run every level with block_size 1 in the same worker, interleaved (module doc)")
+    ap.add_argument("--against-llama-server", action="store_true",
+                    help="also send every level's requests to llama-server on the target's GGUF, with as many slots "
+                         "as the highest level (module doc)")
     ap.add_argument("--out", default="bench-out/load")
     args = ap.parse_args(argv)
     if args.via == "sql" and not args.dsn:
@@ -280,7 +327,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="dflash-load-") as tmp:
         os.chmod(tmp, 0o755)
         proc, sock = (None, args.socket) if args.socket else start_worker(tmp, args)
-        restore = None
+        restore = peer = None
         try:
             status = Client(sock).connect().call("status", {})
             if args.via == "sql":
@@ -291,8 +338,13 @@ def main(argv=None) -> int:
             caller(dict(requests[0], max_new_tokens=4))  # warm up
             solo = None
             modes = {"auto": requests}
+            callers = {"auto": caller, "plain": caller}
             if args.against_plain:
                 modes["plain"] = [dict(q, block_size=1) for q in requests]
+            if args.against_llama_server:
+                peer = start_llama_server(args, tmp, max(levels))
+                callers["llama-server"] = LlamaServerCaller(peer)
+                modes["llama-server"] = []  # the worker's token ids, once its solo run made them
             rounds: dict[str, dict[int, list[dict]]] = {m: {c: [] for c in levels} for m in modes}
             for r in range(args.rounds):
                 # Every round runs every level, in turn forward and back, so a machine whose
@@ -303,22 +355,32 @@ def main(argv=None) -> int:
                     for mode in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
                         if mode != "auto" and (solo is None or c not in levels):
                             continue  # the reference run: auto alone, first
-                        run = run_level(caller, modes[mode], c)
+                        run = run_level(callers[mode], modes[mode], c)
                         if c == 1 and solo is None:
                             solo = run["_results"]
+                            if peer is not None:
+                                if any(x is None for x in solo):
+                                    raise SystemExit("dflash.bench.load: a solo request failed; llama-server gets "
+                                                     "the token ids the worker's solo run made")
+                                modes["llama-server"] = [{"prompt_ids": s["prompt_ids"], "max_new_tokens": q["max_new_tokens"]}
+                                                         for s, q in zip(solo, requests)]
                         diffs = compare(solo, run["_results"])
                         run["mismatches_vs_solo"] = len(diffs)
                         run["differences"] = diffs
                         if c in levels:
                             rounds[mode][c].append(run)
-                        print(f"round {r + 1}, concurrency {c}{'' if mode == 'auto' else ', plain'}: "
+                        print(f"round {r + 1}, concurrency {c}{'' if mode == 'auto' else ', ' + mode}: "
                               f"{run['tokens_per_s']:.1f} tok/s, p50 {run['p50_latency_s']:.2f} s, "
                               f"p95 {run['p95_latency_s']:.2f} s, {len(diffs)} mismatches, {run['errors']} errors",
                               file=sys.stderr, flush=True)
             runs = [combine(rounds["auto"][c]) for c in levels]
             if args.against_plain:
                 runs = [with_plain(run, combine(rounds["plain"][c])) for run, c in zip(runs, levels)]
+            if peer is not None:
+                runs = [with_llama_server(run, combine(rounds["llama-server"][c])) for run, c in zip(runs, levels)]
         finally:
+            if peer is not None:
+                peer.close()
             if restore is not None:
                 restore()
             if proc is not None and stop(proc, grace_s=60):  # seen on CUDA: the run's numbers must not go with it
@@ -336,6 +398,7 @@ def main(argv=None) -> int:
         "max_new_tokens": args.max_new_tokens,
         "block_size": args.block_size or "auto",
         "against_plain": args.against_plain,
+        "against_llama_server": args.against_llama_server,
         "cpu": cpu_name(),
         "device": status.get("device"),
         "threads": status.get("threads"),
