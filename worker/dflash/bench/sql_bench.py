@@ -2,13 +2,16 @@
 the trigger queue's throughput.
 
     python -m dflash.bench.sql_bench [--n 50] [--rows 50] [--tokens 32] [--block-size N] [--out bench-out]
-        [--workload SUITE|FILE.jsonl [--workload-tokens 128]]
+        [--workload SUITE|FILE.jsonl [--workload-tokens 128] [--workload-rows N] [--workload-schema FILE.json]]
 
 `--workload` also fills a generation-enabled table with a suite's prompts (one row each, in
 order, e.g. the `repetitive` suite's 42) twice, into two fresh tables: once with
 `proposals => false` and once with the default `proposals => true`, where the suffix
 proposer drafts from the table's earlier answers; the two fill times are the workload
-memory's gain through SQL.
+memory's gain through SQL. `--workload-schema` makes it a typed fill: the answer column is
+`jsonb`, every row generated under that JSON Schema (the table's `json_schema` option),
+each prompt asked to describe the suite's prompt as such JSON (`SCHEMA_PROMPT`); the report
+counts the answers that validate.
 
 Everything runs in one process on a throwaway cluster (dflash.localpg): the worker (its
 own threads, the embedded default models), its queue consumer, and the SQL client.
@@ -64,13 +67,20 @@ def measure_queue(conn, worker, server, args) -> dict:
                 queue_seconds=elapsed, queue_rows_per_minute=args.rows / elapsed * 60, queue_new_tokens=tokens)
 
 
-def measure_workload(conn, worker, server, prompts: list[str], tokens: int) -> dict:
-    """Fill two generation-enabled tables with the same prompts, proposals off then on."""
+SCHEMA_PROMPT = "Describe this request as JSON with the fields of the schema.\n\nRequest: {prompt}"
+
+
+def measure_workload(conn, worker, server, prompts: list[str], tokens: int, schema: dict | None = None) -> dict:
+    """Fill two generation-enabled tables with the same prompts, proposals off then on (with
+    `schema`: a jsonb answer column under that JSON Schema)."""
     out = {}
+    if schema is not None:
+        prompts = [SCHEMA_PROMPT.format(prompt=p) for p in prompts]
     for proposals in (False, True):
         table = f"bench_workload_{'on' if proposals else 'off'}"
-        conn.execute(f"CREATE TABLE {table} (id serial PRIMARY KEY, prompt text, answer text)")
-        opts = {"max_new_tokens": tokens, "proposals": proposals}
+        conn.execute(f"CREATE TABLE {table} (id serial PRIMARY KEY, prompt text, "
+                     f"answer {'text' if schema is None else 'jsonb'})")
+        opts = {"max_new_tokens": tokens, "proposals": proposals, **({"json_schema": schema} if schema else {})}
         conn.execute("SELECT dflash.enable_generation(%s, 'prompt', 'answer', %s)", (table, json.dumps(opts)))
         with conn.transaction():
             for prompt in prompts:
@@ -78,7 +88,8 @@ def measure_workload(conn, worker, server, prompts: list[str], tokens: int) -> d
         consumer = QueueConsumer(worker, server.dsn(user="dflash_worker"), poll_s=0.2, batch=DEFAULT_MAX_BATCH)
         t = time.perf_counter()
         consumer.start()
-        while conn.execute(f"SELECT count(*) FROM {table} WHERE answer IS NULL").fetchone()[0]:
+        # until every row is filled or given up (a typed answer cut short fails, into queue_failed)
+        while conn.execute("SELECT count(*) FROM dflash.queue WHERE tbl = %s::regclass", (table,)).fetchone()[0]:
             time.sleep(0.2)
         elapsed = time.perf_counter() - t
         consumer.shutdown()
@@ -96,6 +107,16 @@ def measure_workload(conn, worker, server, prompts: list[str], tokens: int) -> d
     out["workload_answers_differ"] = len(differ)
     out["workload_differing"] = [{"id": i, "off": a, "on": b} for i, a, b in differ]
     out["workload_rows"] = len(prompts)
+    out["workload_failed"] = conn.execute("SELECT count(*) FROM dflash.queue_failed WHERE tbl::text LIKE "
+                                          "'bench_workload_%'").fetchone()[0]
+    if schema is not None:
+        import jsonschema
+
+        answers = [a for (a,) in conn.execute("SELECT answer FROM bench_workload_off UNION ALL "
+                                               "SELECT answer FROM bench_workload_on").fetchall()]
+        out["workload_schema"] = schema
+        out["workload_valid"] = sum(jsonschema.Draft202012Validator(schema).is_valid(a) for a in answers)
+        out["workload_answers"] = len(answers)
     out["workload_tokens_per_row"] = tokens
     out["workload_speedup"] = out["workload_proposals_off_seconds"] / out["workload_proposals_on_seconds"]
     return out
@@ -111,6 +132,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", help="a suite (code, chat, agent, repetitive) or a FILE.jsonl of {\"prompt\": ...} "
                     "filled into two tables, proposals off and on")
     ap.add_argument("--workload-tokens", type=int, default=128, help="new tokens per workload row")
+    ap.add_argument("--workload-rows", type=int, help="the first N of the workload's prompts (default: all)")
+    ap.add_argument("--workload-schema", help="a JSON Schema file: the workload's answers are jsonb under it")
     add_model_args(ap)  # the engine is built as `dflash serve` builds it, from the same options
     args = ap.parse_args(argv)
 
@@ -152,8 +175,10 @@ def main(argv=None) -> int:
 
                 prompts = (load_prompts_file(Path(args.workload)) if args.workload.endswith(".jsonl")
                            else load_suite(args.workload))
+                schema = json.loads(Path(args.workload_schema).read_text()) if args.workload_schema else None
                 conn.execute("ALTER ROLE dflash_worker LOGIN")
-                report.update(measure_workload(conn, worker, server, prompts, args.workload_tokens))
+                report.update(measure_workload(conn, worker, server, prompts[: args.workload_rows],
+                                               args.workload_tokens, schema))
     finally:
         worker.shutdown()
         server.stop()
