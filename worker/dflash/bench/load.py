@@ -261,24 +261,16 @@ def markdown(report: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
-def with_llama_server(run: dict, peer: dict) -> dict:
-    """A level's combined row with llama-server's throughput on the same requests beside it."""
+def beside(run: dict, twin: dict, name: str) -> dict:
+    """A level's combined row with a twin's run of the same requests beside it, as
+    `{name}_tokens_per_s`, `vs_{name}`, `{name}_mismatches_vs_solo`, `{name}_rounds` and
+    `{name}_errors` (plain: block_size 1 in the same worker; llama_server)."""
     run = dict(run)
-    run["llama_server_tokens_per_s"] = peer["tokens_per_s"]
-    run["vs_llama_server"] = run["tokens_per_s"] / peer["tokens_per_s"] if peer["tokens_per_s"] else None
-    run["llama_server_mismatches_vs_solo"] = peer["mismatches_vs_solo"]
-    run["llama_server_rounds"] = peer["rounds"]
-    run["llama_server_errors"] = peer["errors"]
-    return run
-
-
-def with_plain(run: dict, plain: dict) -> dict:
-    """A level's combined row with its plain-decoding twin's throughput beside it."""
-    run = dict(run)
-    run["plain_tokens_per_s"] = plain["tokens_per_s"]
-    run["vs_plain"] = run["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
-    run["plain_mismatches_vs_solo"] = plain["mismatches_vs_solo"]
-    run["plain_rounds"] = plain["rounds"]
+    run[f"{name}_tokens_per_s"] = twin["tokens_per_s"]
+    run[f"vs_{name}"] = run["tokens_per_s"] / twin["tokens_per_s"] if twin["tokens_per_s"] else None
+    run[f"{name}_mismatches_vs_solo"] = twin["mismatches_vs_solo"]
+    run[f"{name}_rounds"] = twin["rounds"]
+    run[f"{name}_errors"] = twin["errors"]
     return run
 
 
@@ -375,9 +367,9 @@ def main(argv=None) -> int:
                               file=sys.stderr, flush=True)
             runs = [combine(rounds["auto"][c]) for c in levels]
             if args.against_plain:
-                runs = [with_plain(run, combine(rounds["plain"][c])) for run, c in zip(runs, levels)]
+                runs = [beside(run, combine(rounds["plain"][c]), "plain") for run, c in zip(runs, levels)]
             if peer is not None:
-                runs = [with_llama_server(run, combine(rounds["llama-server"][c])) for run, c in zip(runs, levels)]
+                runs = [beside(run, combine(rounds["llama-server"][c]), "llama_server") for run, c in zip(runs, levels)]
         finally:
             if peer is not None:
                 peer.close()
