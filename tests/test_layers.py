@@ -1,8 +1,9 @@
 """The package's import graph points one way and has no circle.
 
 Every `import` in worker/dflash counts, the ones inside functions too (a lazy import is still
-an arrow). Layers, lowest first: the core (errors, error codes, options, prompt suites, the
-ort export's file names), the engine, the embedder and the local cluster, conversion, the model files, the remote engine
+an arrow). Layers, lowest first: the core (errors, error codes, options, the
+ort export's file names), the engine, the prompt suites (a constrained prompt's grammar is
+checked by the engine's), the embedder and the local cluster, conversion, the model files, the remote engine
 (an inference server behind the engine's interface), loading models into an engine, training, serving, the bench and the demo, the CLI. A module may import its
 own layer or a lower one, never a higher one; and no set of modules imports itself in a
 circle (checked on modules, with a package's __init__ as its own node).
@@ -18,10 +19,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "worker"
 TOOLS = ROOT.parent / "tools"
 LAYERS = [
-    ("dflash", "dflash.errors", "dflash.error_codes", "dflash.options", "dflash.suites", "dflash.onnx_export_files",
+    ("dflash", "dflash.errors", "dflash.error_codes", "dflash.options", "dflash.onnx_export_files",
      "dflash.processes", "dflash.plots"),
     ("dflash.engine",),
-    ("dflash.embed", "dflash.localpg"),
+    ("dflash.suites", "dflash.embed", "dflash.localpg"),
     ("dflash.convert",),
     ("dflash.model_files",),
     ("dflash.remote",),
