@@ -128,7 +128,8 @@ def cmd_generate(args) -> int:
     result = engine.generate(req)
     if args.json:
         out = result.to_dict()
-        out.update(target=engine.target.name, drafter=engine.drafter_name, random_drafter=engine.random_drafter)
+        out.update(target=engine.target.name, target_backend=engine.target.backend, drafter=engine.drafter_name,
+                   random_drafter=engine.random_drafter)
         print(json.dumps(out))
     else:
         print(result.text)
