@@ -179,7 +179,7 @@ def compare(solo: list, other: list) -> list[dict]:
     return diffs
 
 
-def top2_gaps(diffs: list[dict], target_dir: str | None) -> None:
+def top2_gaps(diffs: list[dict], target: str | None) -> None:
     """For each difference, the reference target's top-2 logit gap at the first diverging
     position after the solo prefix (below 1e-4 it is rounding; anything else a bug)."""
     if not diffs:
@@ -187,12 +187,13 @@ def top2_gaps(diffs: list[dict], target_dir: str | None) -> None:
     import torch
 
     from dflash.engine.target.hf import HFTarget
-    from dflash.model_files import ensure_default_target
+    from dflash.model_files import resolve_target
 
-    target = HFTarget.from_pretrained(target_dir or ensure_default_target(quiet=True))
+    # --target as the worker took it: a folder, a GGUF file or a model name (None: the default)
+    model = HFTarget.from_pretrained(resolve_target(target, quiet=True).folder)
     for d in diffs:
         ids = d["prompt_ids"] + d["solo_ids"][: d["first_difference"]]
-        logits, _ = target.forward(torch.tensor(ids), target.new_cache(), (), last_only=True)
+        logits, _ = model.forward(torch.tensor(ids), model.new_cache(), (), last_only=True)
         top = torch.topk(logits[-1], 2).values
         d["top2_gap"] = float(top[0] - top[1])
 
