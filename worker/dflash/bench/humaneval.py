@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     todo = humaneval_problems()[: args.limit]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows, passed, tokens, decode_s = [], 0, 0, 0.0
+    rows, passed, tokens, wall_s = [], 0, 0, 0.0
     with Client(args.socket) as client:
         status = client.call("status")
         for i, problem in enumerate(todo, 1):
@@ -116,13 +116,13 @@ def main(argv: list[str] | None = None) -> int:
             ok, error = run_program(program(problem, code), args.timeout)
             passed += ok
             tokens += res.get("new_tokens", 0)
-            decode_s += wall
+            wall_s += wall
             rows.append({"task_id": problem["task_id"], "passed": ok, "error": error, "answer": res["text"],
                          "code": code, "new_tokens": res.get("new_tokens"), "finish_reason": res.get("finish_reason"),
                          "wall_s": round(wall, 3)})
             print(f"{problem['task_id']}: {'pass' if ok else 'FAIL ' + error[:80]}  ({passed}/{i})", flush=True)
     report = {"pass_at_1": passed / len(todo), "passed": passed, "problems": len(todo),
-              "tokens_per_s": tokens / decode_s if decode_s else None, "new_tokens": tokens, "wall_s": decode_s,
+              "tokens_per_s": tokens / wall_s if wall_s else None, "new_tokens": tokens, "wall_s": wall_s,
               "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
               "target": status.get("model"), "target_backend": status.get("target_backend"),
               "extraction": "the first fenced block of the answer, else the whole answer; run after the problem's "
