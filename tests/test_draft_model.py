@@ -142,6 +142,24 @@ def test_one_line_in_the_registry_is_all_it_takes(qwens, tiny_text_engine):
     both.release(state)
 
 
+def test_the_bench_runs_it_alone_at_a_fixed_block(qwens):
+    """`draft-model-N`: the draft model alone drafts N - 1 tokens every step (what drafting
+    with it costs where auto would not), and its output is plain greedy output."""
+    from dflash.bench.run import Runner, block_size_of, needs_drafter, proposers_of
+
+    target, other, _ = qwens
+    assert block_size_of("draft-model-3") == 3 and proposers_of("draft-model-3") == ("draft_model",)
+    assert not needs_drafter("draft-model-3") and proposers_of("dflash-3") is None
+    runner = Runner(engine_with(target, other), max_new=12)
+    runner.check("draft-model-3")
+    sample = runner.run("draft-model-3", PROMPTS[0])
+    assert sample.output_ids == plain(target, PROMPTS[0], 12)
+    steps = sample.proposers["draft_model"]["steps"]
+    assert steps == len(sample.verify_lengths) and set(sample.verify_lengths[:-1]) == {3}
+    with pytest.raises(SystemExit, match="--draft-model"):
+        Runner(Engine(target, None, cost_curve=FLAT), max_new=4).check("draft-model-3")
+
+
 # --- the real Qwen2.5-Coder models --------------------------------------------------------
 
 

@@ -37,7 +37,7 @@ def test_which_methods_need_a_drafter():
     are refused, before any model loads."""
     need = ["dflash-4", "dflash-16", "llamacpp-dflash", "llamacpp-dflash-q4_1"]
     free = ["ar", "ar-hf", "ar-reference", "dflash-auto", "suffix", "prompt-lookup", "assisted-ar",
-            "llamacpp-ar-gguf", "llamacpp-spec-gguf", "llamacpp-ar-q4_1"]
+            "llamacpp-ar-gguf", "llamacpp-spec-gguf", "llamacpp-ar-q4_1", "draft-model", "draft-model-4"]
     assert all(map(needs_drafter, need)) and not any(map(needs_drafter, free))
     check_drafter(free, has_drafter=False)
     check_drafter(need + free, has_drafter=True)

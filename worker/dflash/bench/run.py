@@ -1,7 +1,9 @@
 """`dflash bench`: every method on the same prompts, in one process, side by side.
 
 Methods: `ar-hf` (transformers generate), `ar` (this engine at block size 1: the same
-loop, the speedup baseline), `dflash-N` (block size N every step), `dflash-auto` (the
+loop, the speedup baseline), `dflash-N` (block size N every step), `draft-model-N` (the
+--draft-model alone at block size N every step: what drafting with it costs where the
+policy would not), `dflash-auto` (the
 engine's default: the block length chosen per step by the cost-aware policy; its results
 carry the histogram of chosen verify lengths), `prompt-lookup` (transformers'
 prompt_lookup_num_tokens), `assisted-ar` (transformers assisted generation with a small
@@ -63,19 +65,32 @@ HF_SPECULATIVE = ("prompt-lookup", "assisted-ar")
 AUTO = "dflash-auto"
 
 
-def block_size_of(method: str) -> int | None:
-    """The fixed block size of an engine method (`ar` = 1, `dflash-N` = N); None otherwise."""
-    if method == "ar":
-        return 1
-    if method.startswith("dflash-") and method[7:].isdigit():
-        return int(method[7:])
-    return None
-
-
 SUFFIX = "suffix"  # the suffix proposer alone, with the cost policy (dflash-auto: every proposer)
 DRAFT_MODEL = "draft-model"  # the draft model alone (--draft-model), with the cost policy
 # The engine methods of block length auto that let only some proposers draft.
 ALONE = {SUFFIX: ("suffix",), DRAFT_MODEL: ("draft_model",)}
+
+
+def _fixed(method: str) -> tuple[str, int] | None:
+    """(`dflash` or `draft-model`, N) for `dflash-N` and `draft-model-N`; None otherwise."""
+    head, _, n = method.rpartition("-")
+    return (head, int(n)) if head in ("dflash", DRAFT_MODEL) and n.isdigit() else None
+
+
+def block_size_of(method: str) -> int | None:
+    """The fixed block size of an engine method (`ar` = 1, `dflash-N` and `draft-model-N`
+    = N: the drafter, or the draft model alone, drafts N - 1 tokens every step, whatever
+    that costs); None otherwise."""
+    if method == "ar":
+        return 1
+    fixed = _fixed(method)
+    return fixed[1] if fixed else None
+
+
+def proposers_of(method: str) -> tuple[str, ...] | None:
+    """The proposers an engine method lets draft (None: every one the engine has)."""
+    fixed = _fixed(method)
+    return ALONE[DRAFT_MODEL] if fixed and fixed[0] == DRAFT_MODEL else ALONE.get(method)
 # Plain decoding by this engine on the reference backend (transformers, fp32), whatever
 # backend the engine's target runs in: how far a quantized backend's output is from it.
 AR_REFERENCE = "ar-reference"
@@ -91,8 +106,8 @@ def needs_drafter(method: str) -> bool:
     `llamacpp-dflash*`. The others run on the target alone: `ar`, `ar-hf`, `ar-reference`,
     `dflash-auto` and `suffix` (the drafter-free proposers where there is no drafter),
     `prompt-lookup`, `assisted-ar` (its own assistant), `llamacpp-ar*` and `llamacpp-spec*`."""
-    size = block_size_of(method)
-    return (size is not None and size > 1) or is_dflash_peer(method)
+    fixed = _fixed(method)
+    return (fixed is not None and fixed[0] == "dflash" and fixed[1] > 1) or is_dflash_peer(method)
 
 
 def check_drafter(methods: list[str], has_drafter: bool) -> None:
@@ -185,7 +200,7 @@ class Runner:
         return self.reference.target.model
 
     def check(self, method: str) -> None:
-        if method == DRAFT_MODEL and self.engine.proposer("draft_model") is None:
+        if proposers_of(method) == ALONE[DRAFT_MODEL] and self.engine.proposer("draft_model") is None:
             raise SystemExit("dflash bench: draft-model drafts with --draft-model NAME|GGUF|DIR (a smaller model with "
                              "the target's tokenizer)")
         if is_engine_method(method) or method in ("ar-hf", "prompt-lookup", AR_REFERENCE):
@@ -216,7 +231,7 @@ class Runner:
         if is_engine_method(method):
             res = self.engine.generate(GenerationRequest(
                 input_ids=prompt_ids, max_new_tokens=self.max_new, block_size=block_size_of(method),
-                workload=workload, proposers=ALONE.get(method), **constraint))
+                workload=workload, proposers=proposers_of(method), **constraint))
             steps = res.stats.steps
             return Sample(res.output_ids, time.perf_counter() - t, [s.accepted for s in steps], res.stats.drafted,
                           [len(s.draft_ids) + 1 for s in steps], {k: dict(v) for k, v in res.stats.by_proposer.items()},
