@@ -32,6 +32,33 @@ def test_a_backend_that_verifies_cheaply_wins_when_drafts_are_cheap():
     assert fastest.remember(None, {"k": 2}, {"a": slow_prefill, "b": fast_prefill})["choice"] == "b"
 
 
+def test_a_serving_worker_weighs_a_step_of_several_callers():
+    """A backend a little slower for a lone request but far cheaper for a step of
+    BUSY_CALLERS sequences (ONNX Runtime against llama.cpp on Qwen2.5-Coder-1.5B) wins for
+    `dflash serve`, not for a lone request; prices without that step decide as before."""
+    acc = fastest.default_acceptance()
+    busy = str(fastest.BUSY_CALLERS)
+    llamacpp_like = {**_prices(0.034, 0.061, 0.095, 0.0), "prefill": {"128": 1.1}}
+    ort_like = {**_prices(0.050, 0.054, 0.083, 0.0), "prefill": {"128": 1.1}}
+    llamacpp_like["verify"][busy], ort_like["verify"][busy] = 0.233, 0.116
+    measured = {"llamacpp": llamacpp_like, "ort": ort_like}
+    assert fastest.request_seconds(llamacpp_like, acc) < fastest.request_seconds(ort_like, acc)
+    assert fastest.remember(None, {"k": 1}, measured)["choice"] == "llamacpp"
+    record = fastest.remember(None, {"k": 1}, measured, serving=True)
+    assert record["choice"] == "ort"
+    assert record["busy_request_s"]["ort"] == pytest.approx(1.1 + fastest.NEW_TOKENS * 0.116 / fastest.BUSY_CALLERS)
+    assert "callers" in fastest.summary(record)["weighed"]
+    for prices in measured.values():
+        del prices["verify"][busy]
+    assert fastest.remember(None, {"k": 1}, measured, serving=True)["choice"] == "llamacpp"
+    # Passing a candidate over is bounded by the same measure (a busy step costs at least a
+    # plain one): a plain step that rules a backend out for a lone request may not for a worker.
+    lone = fastest.fastest_possible_s(0.05, acc)
+    least = (lone + fastest.NEW_TOKENS * 0.05 / fastest.BUSY_CALLERS) / 2
+    best = (lone + least) / 2 / fastest.SLACK
+    assert fastest.cannot_win(0.05, best, acc) and not fastest.cannot_win(0.05, best, acc, serving=True)
+
+
 @pytest.fixture
 def two_tiny_backends(monkeypatch):
     """Two builders of tiny real targets, with the prices spot_prices will 'measure' for each."""
@@ -84,6 +111,9 @@ def test_the_choice_is_measured_cached_and_spot_checked(tmp_path, two_tiny_backe
     built.clear()
     third = fastest_engine(builders, _engine_over, "tiny", tmp_path)
     assert third.target.selection["how"] == "measured at start" and "slow_plain" in built
+    # A serving worker's choice is its own (another objective): not the lone request's cached one.
+    serving = fastest_engine(builders, _engine_over, "tiny", tmp_path, serving=True)
+    assert serving.target.selection["how"] == "measured at start" and "weighed" in serving.target.selection
 
 
 def test_a_candidate_whose_plain_step_rules_it_out_is_passed_over(tmp_path, two_tiny_backends, monkeypatch):
@@ -186,8 +216,10 @@ def test_backends_are_priced_at_a_typical_requests_context(monkeypatch):
         return forward(rows, layers)
 
     monkeypatch.setattr(engine.target, "forward_batch", spy)
-    costs.spot_prices(engine, repeats=2)
+    prices = costs.spot_prices(engine, repeats=2)
     assert costs.TYPICAL_CONTEXT > costs.PREFILL_TOKENS and calls[0] == [costs.TYPICAL_CONTEXT]
+    assert set(prices["verify"]) == {"1", "2", "4", str(costs.BUSY_CALLERS)}  # a step of several callers too
+    assert [costs.BUSY_CALLERS] in calls
     calls.clear()
     fastest.step_seconds(engine.target, repeats=2)
     assert calls[0] == [costs.TYPICAL_CONTEXT] and all(c == [1] for c in calls[1:])

@@ -262,7 +262,7 @@ def cmd_serve(args) -> int:
     if remote and args.learn:
         raise DFlashError("bad_params", "--learn trains the worker's own drafter; with --backend openai the endpoint "
                           "serves its drafter")
-    engine = engine_from_args(args)
+    engine = engine_from_args(args, serving=args.max_active > 1)
     # The drafter folder reload_drafter reads again (the native engine's; the endpoint has its own).
     target_dir, drafter_dir, _ = (None, None, None) if remote else resolve_models(target_arg(args), args.drafter,
                                                                                   quiet=True)

@@ -69,7 +69,7 @@ TARGET_BACKENDS = ("auto", "hf", "llamacpp", "ort", "ort-q4_1", "ort-q4_k_m")
 def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "float32", random_drafter=False,
                 cost_dir: Path | None = None, draft_dtype: str | None = None, target_backend: str = "auto",
                 target_gguf: Path | None = None, draft_vocab: str | None = "auto", head: str | None = "auto",
-                draft_model: str | None = None):
+                draft_model: str | None = None, serving: bool = False):
     """An Engine over the target folder and the drafter (any format; None: no DFlash drafter,
     the free proposers only), on `device` in `dtype`.
     The target runs in `target_backend` (dflash.engine.target: hf, the reference; llamacpp,
@@ -129,7 +129,7 @@ def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "floa
                                                f"--target-backend {k} once)" for k, b in builders.items() if k != "hf"},
                             "backends": backends}
         return engine_over(target)
-    engine = fastest_engine({k: builders[k] for k in runnable}, engine_over, target_dir, cost_dir)
+    engine = fastest_engine({k: builders[k] for k in runnable}, engine_over, target_dir, cost_dir, serving)
     engine.target.selection["backends"] = backends
     return engine
 
@@ -340,11 +340,12 @@ def load_draft_model(spec: str, device: str = "cpu", dtype: str = "float32"):
     return load_target(files.folder, backend, device, dtype, files.gguf)
 
 
-def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | None):
+def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | None, serving: bool = False):
     """The engine over the target backend that decodes fastest here with block length auto:
     per backend a plain step, verify blocks of 2 and 4 (with the drafter's features) and the
     drafter's price for such blocks, weighed by the policy's default acceptance prior
-    (dflash.engine.target.fastest.expected_rate); a candidate whose plain step alone rules it
+    (dflash.engine.target.fastest.expected_rate), and for a `serving` worker a step of several
+    callers as well (fastest.choice_seconds); a candidate whose plain step alone rules it
     out is passed over (fastest.cannot_win). Measured once per machine, thread count
     and versions, cached beside the cost curves; at a later start the chosen backend's plain
     step is timed again, and a choice whose step got STALE times slower is measured afresh."""
@@ -360,7 +361,8 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
            "candidates": sorted(builders), "versions": fastest.runtime_versions(), "dflash": __version__,
            "ort_build": onnx_target.BUILD, "ort_q4_1_build": onnx_q41.BUILD,
            # (only where it is a candidate: the choices cached for other targets stay valid)
-           **({"ort_q4_k_m_build": onnx_gguf.BUILD} if "ort-q4_k_m" in builders else {})}
+           **({"ort_q4_k_m_build": onnx_gguf.BUILD} if "ort-q4_k_m" in builders else {}),
+           **({"objective": f"serving ({fastest.BUSY_CALLERS} callers)"} if serving else {})}
     record = fastest.cached_choice(cost_dir, key)
     if record is not None:
         engine = engine_over(builders[record["choice"]]())
@@ -378,8 +380,8 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
             target = builders[name]()
             if measured:
                 plain = fastest.step_seconds(target, (), repeats=3)
-                best = min(fastest.request_seconds(p, acceptance) for p in measured.values())
-                if fastest.cannot_win(plain, best, acceptance):
+                best = min(fastest.choice_seconds(p, acceptance, serving) for p in measured.values())
+                if fastest.cannot_win(plain, best, acceptance, serving):
                     passed_over[name] = plain
                     del target
                     continue
@@ -389,13 +391,13 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
             continue
         same = {"draft_dtype": engine.draft_dtype}  # as the first backend measured it
         measured[name] = spot_prices(engine)
-        if min(measured, key=lambda n: fastest.request_seconds(measured[n], acceptance)) == name:
-            kept = {name: engine}  # as fastest.remember will choose: the least request time, first of equals
+        if min(measured, key=lambda n: fastest.choice_seconds(measured[n], acceptance, serving)) == name:
+            kept = {name: engine}  # as fastest.remember will choose: the least choice_seconds, first of equals
         del engine, target
     if not measured:  # none can run it (a drafter that fits no backend's target): the first one's reason
         raise next(iter(failed.values()))
     failed = {name: exc.message for name, exc in failed.items()}
-    record = fastest.remember(cost_dir, key, measured, passed_over)
+    record = fastest.remember(cost_dir, key, measured, passed_over, serving)
     record["failed"] = failed
     engine = kept.pop(record["choice"])
     engine.target.selection = {"backend": engine.target.backend, "how": "measured at start", **fastest.summary(record)}
@@ -430,7 +432,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="what runs the target: hf (transformers, the reference), llamacpp (its GGUF in llama.cpp, "
                         "CPU), ort (an int8 ONNX export in ONNX Runtime, CPU), ort-q4_1 (the same graph with a Q4_1 "
                         "target's weights exactly, CPU), auto (default: the one that decodes "
-                        "fastest here, measured once and cached)")
+                        "fastest here, measured once and cached; for `serve`, a lone request and one among 8 "
+                        "callers weighed alike)")
     p.add_argument("--target-gguf", help="the target as GGUF for --target-backend llamacpp (default: --target's own GGUF "
                    "where it is one, a named model or the embedded default); alone, it is the target")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", *DRAFT_DTYPE_NAMES],
@@ -486,10 +489,11 @@ def target_arg(args) -> str | None:
     return args.target or getattr(args, "target_gguf", None)
 
 
-def engine_from_args(args):
+def engine_from_args(args, serving: bool = False):
     """The engine the options ask for: the native one over `add_model_args`'s models (the
     embedded defaults unless named), or with `--backend openai` the remote one, which loads
-    only the target's tokenizer."""
+    only the target's tokenizer. `serving`: for a worker that batches several callers (its
+    target backend chosen for them too: fastest_engine)."""
     import torch
 
     from dflash.model_files import cost_dir, resolve_models, resolve_target, resolve_tokenizer
@@ -510,4 +514,5 @@ def engine_from_args(args):
     return load_engine(target, drafter, device=args.device, dtype=args.dtype, random_drafter=is_random,
                        cost_dir=cost_dir(), draft_dtype=args.draft_dtype, draft_vocab=getattr(args, "draft_vocab", "auto"),
                        target_backend=getattr(args, "target_backend", "auto"), target_gguf=gguf,
-                       head=getattr(args, "head", "auto"), draft_model=getattr(args, "draft_model", None))
+                       head=getattr(args, "head", "auto"), draft_model=getattr(args, "draft_model", None),
+                       serving=serving)

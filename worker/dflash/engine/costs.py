@@ -38,6 +38,11 @@ TYPICAL_NEW_TOKENS = 128  # and the tokens a typical request decodes after it
 # token than llama.cpp's), so backends compared at a short context would be ranked wrong.
 TYPICAL_CONTEXT = PREFILL_TOKENS + TYPICAL_NEW_TOKENS // 2
 CONTEXT_ROWS = 16  # pending context rows timed for the drafter's price per row
+# The callers a serving worker's choice of target backend weighs beside a lone request
+# (dflash.engine.target.fastest): a step of that many sequences is priced as a verify of that
+# many rows in one, which costs about the same on every backend (Qwen2.5-Coder-1.5B, Zen 4:
+# 8 sequences 119 ms against 8 rows 116 ms on `ort`, 220 against 233 ms on llamacpp).
+BUSY_CALLERS = 8
 # What a curve holds (2: the drafter's price per pending context row; 3: a draft priced with the
 # verify after it; 4: lengths timed in rounds, lengths under the target's min_rows priced
 # alike; 5: rounds in alternating order, each timed verify after one of its own length,
@@ -320,7 +325,8 @@ class _StepBench:
         target = engine.target
         self.device, self.block_size = target.device, engine.block_size
         self.target, self.layer_ids = target, engine.layer_ids
-        self.context = context = bench_context(target, context, self.block_size)
+        # (room for a block, and for spot_prices' verify of BUSY_CALLERS rows)
+        self.context = context = bench_context(target, context, max(self.block_size, BUSY_CALLERS))
         self.prompt = probe_prompt(target, context)
         self.seqs = [target.new_sequence() for _ in range(seqs)]
         out = target.forward_batch([TargetRow(q, self.prompt, 1) for q in self.seqs], self.layer_ids)
@@ -489,13 +495,14 @@ def spot_check(engine, curve: CostCurve) -> dict:
 def spot_prices(engine, lengths=(1, 2, 4), repeats: int = REPEATS) -> dict:
     """A few prices of a lone request (seconds by length, keys as strings): verifying L
     tokens with the drafter's features, and the drafter's pass over a block of L, both at a
-    typical request's context (TYPICAL_CONTEXT). What the choice of a target backend weighs
+    typical request's context (TYPICAL_CONTEXT); and a verify of BUSY_CALLERS rows, the price
+    of a step of that many callers. What the choice of a target backend weighs
     (dflash.engine.target.fastest)."""
     from dflash.engine.target import TargetRow
 
     bench = _StepBench(engine, context=TYPICAL_CONTEXT)
-    bench.verify(max(lengths)), bench.draft(max(lengths))  # warm up the largest shapes
-    verify = {str(L): bench.verify_s(L, repeats) for L in lengths}
+    bench.verify(max(*lengths, BUSY_CALLERS)), bench.draft(max(lengths))  # warm up the largest shapes
+    verify = {str(L): bench.verify_s(L, repeats) for L in sorted({*lengths, BUSY_CALLERS})}
     draft = {str(L): bench.drafted_s(L, repeats, verify[str(L)]) if bench.drafts else 0.0
              for L in lengths if 1 < L <= engine.block_size}
     bench.close()

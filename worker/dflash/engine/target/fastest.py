@@ -9,7 +9,12 @@ prefill of a 128-token prompt, then 128 new tokens at the expected rate of block
 (per backend the best of drafting 0, 1 or 3 tokens per step, at the policy's default
 acceptance prior and the drafter's measured price, each step priced at the context it meets
 on average, 192 tokens: ONNX Runtime's attention costs more per cached token than
-llama.cpp's); the shortest time wins. The result is
+llama.cpp's); the shortest time wins. A serving worker (`dflash serve`, several requests per
+step) weighs beside that lone request the same request among BUSY_CALLERS callers (its
+prefill, then its share of steps of that many sequences, plain: in a batch drafts rarely
+pay), half and half: llama.cpp pays every batched sequence nearly in full, ONNX Runtime
+runs 8 for about 2.4 plain steps, so a backend that is close at one caller can be twice as
+fast at eight. The result is
 cached per machine, thread count and runtime versions like the cost curve; on a later start
 the chosen backend's plain step is timed again and a choice whose step got more than STALE
 times slower is measured afresh.
@@ -27,8 +32,8 @@ import json
 import statistics
 from pathlib import Path
 
-from dflash.engine.costs import (TYPICAL_CONTEXT, TYPICAL_NEW_TOKENS, bench_context, keyed_file, probe_prompt, timed,
-                                 write_keyed)
+from dflash.engine.costs import (BUSY_CALLERS, TYPICAL_CONTEXT, TYPICAL_NEW_TOKENS, bench_context, keyed_file,
+                                 probe_prompt, timed, write_keyed)
 from dflash.engine.knobs import SpeculativeConfig
 from dflash.engine.policy import Prior, expected_tokens
 from dflash.engine.target.protocol import TargetRow
@@ -71,6 +76,23 @@ def request_seconds(prices: dict, acceptance: list[float]) -> float:
     return prefill + NEW_TOKENS / expected_rate(prices, acceptance)
 
 
+def busy_seconds(prices: dict) -> float | None:
+    """The typical request among BUSY_CALLERS callers: its prefill, then its share of plain
+    steps of that many sequences (None: prices without that step's)."""
+    step = prices["verify"].get(str(BUSY_CALLERS))
+    if step is None:
+        return None
+    return sum(prices.get("prefill", {}).values()) + NEW_TOKENS * step / BUSY_CALLERS
+
+
+def choice_seconds(prices: dict, acceptance: list[float], serving: bool) -> float:
+    """What the choice minimises: the lone request's time, or for a serving worker the mean of
+    it and the busy one's."""
+    lone = request_seconds(prices, acceptance)
+    busy = busy_seconds(prices) if serving else None
+    return lone if busy is None else (lone + busy) / 2
+
+
 def expected_rate(prices: dict, acceptance: list[float]) -> float:
     """Tokens per second of a lone request at the best of the timed lengths: `prices` holds
     seconds by length, {"verify": {"1": s, "2": s, "4": s}, "draft": {"2": s, "4": s}}."""
@@ -88,8 +110,13 @@ def fastest_possible_s(plain_s: float, acceptance: list[float]) -> float:
     return NEW_TOKENS * plain_s / max(expected_tokens(acceptance, L) for L in LENGTHS)
 
 
-def cannot_win(plain_s: float, best_request_s: float, acceptance: list[float]) -> bool:
-    return fastest_possible_s(plain_s, acceptance) > SLACK * best_request_s
+def cannot_win(plain_s: float, best_s: float, acceptance: list[float], serving: bool = False) -> bool:
+    """Whether even the least time a backend with this plain step could take (choice_seconds'
+    measure: a busy step costs at least one plain step) lies SLACK beyond `best_s`."""
+    least = fastest_possible_s(plain_s, acceptance)
+    if serving:
+        least = (least + NEW_TOKENS * plain_s / BUSY_CALLERS) / 2
+    return least > SLACK * best_s
 
 
 def default_acceptance(cfg: SpeculativeConfig = SpeculativeConfig()) -> list[float]:
@@ -123,14 +150,18 @@ def cached_choice(directory: Path | None, key: dict) -> dict | None:
 
 
 def remember(directory: Path | None, key: dict, measured: dict[str, dict],
-             passed_over: dict[str, float] | None = None) -> dict:
+             passed_over: dict[str, float] | None = None, serving: bool = False) -> dict:
     """Choose from each backend's measured prices (spot_prices) and cache the choice.
-    `passed_over`: the plain step (seconds) of each candidate that cannot_win ruled out."""
+    `passed_over`: the plain step (seconds) of each candidate that cannot_win ruled out;
+    `serving`: for a serving worker (choice_seconds)."""
     acceptance = default_acceptance()
     rates = {name: expected_rate(prices, acceptance) for name, prices in measured.items()}
     request = {name: request_seconds(prices, acceptance) for name, prices in measured.items()}
+    chosen_by = {name: choice_seconds(prices, acceptance, serving) for name, prices in measured.items()}
     record = {"key": key, "measured": measured, "acceptance": acceptance, "expected_tokens_per_s": rates,
-              "request_s": request, "choice": min(request, key=request.get)}
+              "request_s": request, "choice": min(chosen_by, key=chosen_by.get)}
+    if serving:
+        record["busy_request_s"] = {name: busy_seconds(prices) for name, prices in measured.items()}
     if passed_over:
         record["passed_over"] = {name: {"plain_s": s, "fastest_possible_request_s": fastest_possible_s(s, acceptance)}
                                  for name, s in passed_over.items()}
@@ -146,6 +177,9 @@ def summary(record: dict) -> dict:
     return {"prices_ms": ms, "expected_tokens_per_s": {k: round(v, 1) for k, v in
                                                        record["expected_tokens_per_s"].items()},
             "request_s": {k: round(v, 3) for k, v in record.get("request_s", {}).items()},
+            **({"busy_request_s": {k: None if v is None else round(v, 3) for k, v in record["busy_request_s"].items()},
+                "weighed": f"a lone request and one among {BUSY_CALLERS} callers, half and half"}
+               if "busy_request_s" in record else {}),
             **({"failed": record["failed"]} if record.get("failed") else {}),
             **({"passed_over": {name: f"plain step {v['plain_s'] * 1e3:.1f} ms: a request takes at least "
                                 f"{v['fastest_possible_request_s']:.2f} s" for name, v in record["passed_over"].items()}}
