@@ -18,7 +18,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="ar-hf,ar,dflash-4,dflash-8,dflash-16,dflash-auto,suffix,prompt-lookup,"
                    "assisted-ar",
                    help="ar, dflash-N, dflash-auto (every proposer), suffix (the suffix proposer alone), "
-                        "draft-model (the --draft-model alone), draft-model-N (it alone at block size N every step), ar-hf, "
+                        "draft-model (the --draft-model alone), draft-model-N (it alone at block size N every "
+                        "step), ar-hf, "
                         "prompt-lookup, assisted-ar, llamacpp-* (llamacpp-ar-gguf, llamacpp-spec-gguf: llama.cpp's "
                         "plain and own speculative decoding of the target's GGUF as given)")
     p.add_argument("--assistant", help="AR draft model for assisted-ar: a transformers folder or a stored "

@@ -91,6 +91,8 @@ def proposers_of(method: str) -> tuple[str, ...] | None:
     """The proposers an engine method lets draft (None: every one the engine has)."""
     fixed = _fixed(method)
     return ALONE[DRAFT_MODEL] if fixed and fixed[0] == DRAFT_MODEL else ALONE.get(method)
+
+
 # Plain decoding by this engine on the reference backend (transformers, fp32), whatever
 # backend the engine's target runs in: how far a quantized backend's output is from it.
 AR_REFERENCE = "ar-reference"

@@ -40,7 +40,7 @@ TYPICAL_CONTEXT = PREFILL_TOKENS + TYPICAL_NEW_TOKENS // 2
 CONTEXT_ROWS = 16  # pending context rows timed for the drafter's price per row
 # The callers a serving worker's choice of target backend weighs beside a lone request
 # (dflash.engine.target.fastest): a step of that many sequences is priced as a verify of that
-# many rows in one, which costs about the same on every backend (Qwen2.5-Coder-1.5B, Zen 4:
+# many rows in one, which costs about the same on both CPU backends timed (Qwen2.5-Coder-1.5B, Zen 4:
 # 8 sequences 119 ms against 8 rows 116 ms on `ort`, 220 against 233 ms on llamacpp).
 BUSY_CALLERS = 8
 # What a curve holds (2: the drafter's price per pending context row; 3: a draft priced with the

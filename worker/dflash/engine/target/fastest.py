@@ -177,7 +177,8 @@ def summary(record: dict) -> dict:
     return {"prices_ms": ms, "expected_tokens_per_s": {k: round(v, 1) for k, v in
                                                        record["expected_tokens_per_s"].items()},
             "request_s": {k: round(v, 3) for k, v in record.get("request_s", {}).items()},
-            **({"busy_request_s": {k: None if v is None else round(v, 3) for k, v in record["busy_request_s"].items()},
+            **({"busy_request_s": {k: None if v is None else round(v, 3)
+                                   for k, v in record["busy_request_s"].items()},
                 "weighed": f"a lone request and one among {BUSY_CALLERS} callers, half and half"}
                if "busy_request_s" in record else {}),
             **({"failed": record["failed"]} if record.get("failed") else {}),
