@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dflash.engine.knobs import DRAFT_DTYPE_NAMES, DTYPE_NAMES
+from dflash.engine.knobs import BUSY_CALLERS, DRAFT_DTYPE_NAMES, DTYPE_NAMES
 from dflash.errors import DFlashError
 
 RANDOM_DRAFTER_WARNING = (
@@ -362,7 +362,7 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
            "ort_build": onnx_target.BUILD, "ort_q4_1_build": onnx_q41.BUILD,
            # (only where it is a candidate: the choices cached for other targets stay valid)
            **({"ort_q4_k_m_build": onnx_gguf.BUILD} if "ort-q4_k_m" in builders else {}),
-           **({"objective": f"serving ({fastest.BUSY_CALLERS} callers)"} if serving else {})}
+           **({"objective": f"serving ({BUSY_CALLERS} callers)"} if serving else {})}
     record = fastest.cached_choice(cost_dir, key)
     if record is not None:
         engine = engine_over(builders[record["choice"]]())
@@ -432,8 +432,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="what runs the target: hf (transformers, the reference), llamacpp (its GGUF in llama.cpp, "
                         "CPU), ort (an int8 ONNX export in ONNX Runtime, CPU), ort-q4_1 (the same graph with a Q4_1 "
                         "target's weights exactly, CPU), auto (default: the one that decodes "
-                        "fastest here, measured once and cached; for `serve`, a lone request and one among 8 "
-                        "callers weighed alike)")
+                        f"fastest here, measured once and cached; for `serve`, a lone request and one among "
+                        f"{BUSY_CALLERS} callers weighed alike)")
     p.add_argument("--target-gguf", help="the target as GGUF for --target-backend llamacpp (default: --target's own GGUF "
                    "where it is one, a named model or the embedded default); alone, it is the target")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", *DRAFT_DTYPE_NAMES],

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.engine.knobs import BUSY_CALLERS
 from dflash.engine.sampling import peak_probs, verify_greedy
 
 CONTEXT_TOKENS = 64  # a short prompt: the price of a step at small context
@@ -38,11 +39,6 @@ TYPICAL_NEW_TOKENS = 128  # and the tokens a typical request decodes after it
 # token than llama.cpp's), so backends compared at a short context would be ranked wrong.
 TYPICAL_CONTEXT = PREFILL_TOKENS + TYPICAL_NEW_TOKENS // 2
 CONTEXT_ROWS = 16  # pending context rows timed for the drafter's price per row
-# The callers a serving worker's choice of target backend weighs beside a lone request
-# (dflash.engine.target.fastest): a step of that many sequences is priced as a verify of that
-# many rows in one, which costs about the same on both CPU backends timed (Qwen2.5-Coder-1.5B, Zen 4:
-# 8 sequences 119 ms against 8 rows 116 ms on `ort`, 220 against 233 ms on llamacpp).
-BUSY_CALLERS = 8
 # What a curve holds (2: the drafter's price per pending context row; 3: a draft priced with the
 # verify after it; 4: lengths timed in rounds, lengths under the target's min_rows priced
 # alike; 5: rounds in alternating order, each timed verify after one of its own length,

@@ -32,9 +32,9 @@ import json
 import statistics
 from pathlib import Path
 
-from dflash.engine.costs import (BUSY_CALLERS, TYPICAL_CONTEXT, TYPICAL_NEW_TOKENS, bench_context, keyed_file,
-                                 probe_prompt, timed, write_keyed)
-from dflash.engine.knobs import SpeculativeConfig
+from dflash.engine.costs import (TYPICAL_CONTEXT, TYPICAL_NEW_TOKENS, bench_context, keyed_file, probe_prompt, timed,
+                                 write_keyed)
+from dflash.engine.knobs import BUSY_CALLERS, SpeculativeConfig
 from dflash.engine.policy import Prior, expected_tokens
 from dflash.engine.target.protocol import TargetRow
 
