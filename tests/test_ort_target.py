@@ -311,6 +311,28 @@ def test_a_workloads_next_prompt_reuses_its_shared_start_and_decodes_the_same(or
     assert ort_engine.prefixes.status()["bytes"] <= ort_engine.prefixes.cap_bytes
 
 
+def test_an_answer_the_grammar_ended_is_kept_for_the_workloads_next_prompt(ort_engine):
+    """A constrained answer whose end the grammar forced (committed without a forward: its
+    sequence caches one row fewer than an answer the target ended) is kept like any other,
+    and the workload's next prompt reuses its shared start with the same answer."""
+    from dflash.engine.engine import GenerationRequest
+
+    head = "Classify the support ticket below as billing or other. Answer with the label only. Ticket: "
+    ort_engine.workloads.load("pc:dave", [])
+    req = lambda t, w="pc:dave": GenerationRequest(prompt=head + t, chat=True, max_new_tokens=8, block_size=1,  # noqa: E731
+                                                   workload=w, choices=["billing", "other"])
+    kept = ort_engine.prefixes.status()["sequences"]
+    first = ort_engine.generate(req("I was charged twice for one order."))
+    assert first.finish_reason == "stop" and ort_engine.prefixes.status()["sequences"] == kept + 1
+    again = ort_engine.generate(req("The app crashes when I open it."))
+    assert again.stats.cached_prompt_tokens >= 16
+    cache, ort_engine.prefixes = ort_engine.prefixes, None
+    try:
+        assert ort_engine.generate(req("The app crashes when I open it.", None)).output_ids == again.output_ids
+    finally:
+        ort_engine.prefixes = cache
+
+
 def test_rows_that_arrive_together_copy_their_template_from_the_one_before(ort_engine):
     """A table's rows inserted at once are admitted together and prefill one after another
     (the step's token budget): each copies the template's rows from one that has cached them,

@@ -374,9 +374,11 @@ class Engine(RequestChecks):
         """A finished request's K/V memory: kept by the prefix cache for its workload's next
         prompts where it can be (the state gets an empty sequence), else freed."""
         if self.prefixes is not None and state.workload is not None:
-            cached = state.length - 1  # every committed token but the last has its row cached
-            if state.seq.length >= cached and self.prefixes.keep(
-                    state.workload, (state.prompt_ids + state.output_ids)[:cached], state.seq):
+            # Every committed token but the last has its row cached, or fewer: tokens the
+            # grammar forced at the end (a JSON answer's closing brace, its end of text) are
+            # committed without a forward. Rows past them (drafts rejected) are never read.
+            cached = min(state.length - 1, state.seq.length)
+            if self.prefixes.keep(state.workload, (state.prompt_ids + state.output_ids)[:cached], state.seq):
                 state.seq = self.target.new_sequence()
                 return
         self.target.free(state.seq)

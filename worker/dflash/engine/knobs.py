@@ -23,8 +23,11 @@ RECENT_TAU = 100
 # Memory the engine keeps between requests, capped: the prefix cache's K/V rows
 # (dflash.engine.prefix_cache), and the workloads' past outputs the suffix proposer reads
 # (dflash.engine.workloads); with the fewest leading prompt tokens worth copying from the
-# prefix cache instead of prefilling.
-PREFIX_CACHE_MB = 128.0
+# prefix cache instead of prefilling. On a 1.5B model the prefix cache's cap holds about 34
+# short requests (a Qwen2.5-Coder-1.5B row is 56 KiB, and a sequence's K/V is reserved in
+# runs of 256 rows); 128 MB held 8, too few for a workload whose kinds of prompt take turns
+# (llama-server's own prompt cache defaults to 8 GiB).
+PREFIX_CACHE_MB = 512.0
 WORKLOAD_MEMORY_MB = 64.0
 PREFIX_MIN_TOKENS = 16
 
