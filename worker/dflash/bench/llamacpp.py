@@ -414,7 +414,10 @@ class LlamaServer:
         raise DFlashError("peer_failed", f"llama-server did not become ready; log {self.log_path}")
 
     def complete(self, prompt_ids: list[int], max_new: int, constraint: dict | None = None) -> Completion:
-        body = {"prompt": prompt_ids, "n_predict": max_new, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+        # cache_prompt: llama-server's default, kept. A prompt that begins as one the server
+        # has cached prefills only the rest, as the engine's prefix cache does for a workload's
+        # prompts: the bench compares the two with their reuse, not one side's prefill alone.
+        body = {"prompt": prompt_ids, "n_predict": max_new, "temperature": 0.0, "top_k": 1, "cache_prompt": True,
                 "return_tokens": True, "stream": False, **constrained(constraint or {})}
         req = urllib.request.Request(self._url("/completion"), data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
