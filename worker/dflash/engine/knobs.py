@@ -12,9 +12,8 @@ DEFAULT_STEP_TOKENS = 128
 DEFAULT_MAX_QUEUE = 64  # requests waiting for the engine thread before the worker answers "busy"
 # The callers a serving worker's choice of target backend weighs beside a lone request
 # (dflash.engine.target.fastest): a step of that many sequences is priced as a verify of that
-# many rows in one (costs.spot_prices), which costs about the same on both CPU backends timed
-# (Qwen2.5-Coder-1.5B, Zen 4: 8 sequences 119 ms against 8 rows 116 ms on `ort`, 220 against
-# 233 ms on llamacpp).
+# many rows in one (costs.spot_prices): one shape every backend can time at start, and on
+# both CPU backends about what that many sequences cost (docs/models.md, the backends table).
 BUSY_CALLERS = 8
 # Finished generations remembered: the engine's recent counts (the prior of requests that
 # bring none), and those the worker's recent τ pools.
