@@ -319,8 +319,11 @@ def test_an_answer_the_grammar_ended_is_kept_for_the_workloads_next_prompt(ort_e
 
     head = "Classify the support ticket below as billing or other. Answer with the label only. Ticket: "
     ort_engine.workloads.load("pc:dave", [])
-    req = lambda t, w="pc:dave": GenerationRequest(prompt=head + t, chat=True, max_new_tokens=8, block_size=1,  # noqa: E731
-                                                   workload=w, choices=["billing", "other"])
+
+    def req(ticket, workload="pc:dave"):
+        return GenerationRequest(prompt=head + ticket, chat=True, max_new_tokens=8, block_size=1, workload=workload,
+                                 choices=["billing", "other"])
+
     kept = ort_engine.prefixes.status()["sequences"]
     first = ort_engine.generate(req("I was charged twice for one order."))
     assert first.finish_reason == "stop" and ort_engine.prefixes.status()["sequences"] == kept + 1
