@@ -5,7 +5,8 @@
 
 For every target backend that runs here (hf: transformers fp32, the reference; llamacpp:
 the target's GGUF; ort: the int8 ONNX export; ort-q4_1 / ort-q4_k_m: the export with the
-GGUF's blocks exactly, where the target's file has such blocks), all loaded at once and
+GGUF's blocks exactly, where the target's file has such blocks; ort-int4: the 4-bit export,
+where it was made), all loaded at once and
 timed in turn (each round times every shape on every backend, so a slow moment of a
 shared machine touches them alike): one forward of T new tokens after a 64-token context
 in one sequence, T in 1, 2, 3, 4, 8, 16, and of one token in each of B sequences, B in 2,
@@ -123,7 +124,8 @@ def main(argv=None) -> int:
               "gguf": str(files.gguf) if files.gguf else None, "layers": list(layers),
               "repeats": args.repeats, "load_average": list(os.getloadavg()), "targets": {}, "drafter": {}, "not_run": {}}
     builders = target_builders(files.folder, gguf=files.gguf)
-    wanted = args.backends.split(",") if args.backends else list(builders)
+    # (by default not a build auto never chooses unless its export is there: ort-int4's takes minutes)
+    wanted = args.backends.split(",") if args.backends else [n for n, b in builders.items() if b.auto or b.ready]
     targets = {}
     for name in wanted:
         build = builders[name]

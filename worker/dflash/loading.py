@@ -63,7 +63,7 @@ def load_versioned(path: str | Path, device="cpu", dtype=None) -> tuple[object, 
     return model, model_digest(model)
 
 
-TARGET_BACKENDS = ("auto", "hf", "llamacpp", "ort", "ort-q4_1", "ort-q4_k_m")
+TARGET_BACKENDS = ("auto", "hf", "llamacpp", "ort", "ort-q4_1", "ort-q4_k_m", "ort-int4")
 
 
 def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "float32", random_drafter=False,
@@ -117,7 +117,7 @@ def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "floa
         target.selection = {"backend": target.backend, "how": "asked for (--target-backend)",
                             "backends": {target_backend: checked}}
         return engine_over(target)
-    ready = [name for name, build in builders.items() if build.why_not is None and build.ready]
+    ready = [name for name, build in builders.items() if build.why_not is None and build.ready and build.auto]
     # A native backend runs in this process only once a child has run it here (probe.py).
     verdicts = {name: builders[name].verdict(probes) for name in ready}
     runnable = [name for name in ready if verdicts[name].usable and (verdicts[name].features or drafter is None)]
@@ -125,8 +125,10 @@ def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "floa
     if runnable == ["hf"]:
         target = builders["hf"]()
         target.selection = {"backend": "hf", "how": "the only backend ready for this device, dtype and target",
-                            "not_candidates": {k: b.why_not or backends.get(k) or "not prepared (dflash models, or "
-                                               f"--target-backend {k} once)" for k, b in builders.items() if k != "hf"},
+                            "not_candidates": {k: b.why_not or backends.get(k) or (
+                                f"not prepared (dflash models, or --target-backend {k} once)" if b.auto
+                                else f"chosen by name only (--target-backend {k})") for k, b in builders.items()
+                                if k != "hf"},
                             "backends": backends}
         return engine_over(target)
     engine = fastest_engine({k: builders[k] for k in runnable}, engine_over, target_dir, cost_dir, serving)
@@ -141,11 +143,12 @@ class _Builder:
     `--target-backend ort` makes). `probe`: how a child process builds it, for the probe of a
     native backend (dflash.engine.target.probe; None: the reference, not probed), with
     `build`, what else makes its code (an export's build) and `reference`, how a child builds
-    the reference path it is compared with."""
+    the reference path it is compared with. `auto`: whether auto may choose it (not a
+    build whose answers part from the target's shipped weights sooner: it is asked for)."""
 
     def __init__(self, make, why_not: str | None, ready: bool = True, name: str = "", target_dir=None,
-                 probe=None, reference=None, build: dict | None = None):
-        self.make, self.why_not, self.ready = make, why_not, ready
+                 probe=None, reference=None, build: dict | None = None, auto: bool = True):
+        self.make, self.why_not, self.ready, self.auto = make, why_not, ready, auto
         self.name, self.target_dir, self.probe, self.reference, self.build = name, target_dir, probe, reference, build
 
     def __call__(self):
@@ -188,7 +191,7 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
 
     from dflash.convert import onnx_gguf, onnx_q41
     from dflash.convert.onnx_target import BUILD as onnx_target_build
-    from dflash.convert.onnx_target import builder_version, ensure_export, is_current
+    from dflash.convert.onnx_target import INT4_BUILD, builder_version, ensure_export, is_current
     from dflash.engine.dtypes import DTYPES
     from dflash.engine.target import llamacpp, ort, probe
     from dflash.engine.target.hf import HFTarget
@@ -200,6 +203,7 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     exported_q41 = onnx_q41.is_current(Path(target_dir), export_q41)
     export_gguf = onnx_export_dir(target_dir, onnx_gguf.PRECISION)
     exported_gguf = onnx_gguf.is_current(Path(target_dir), export_gguf, gguf)
+    export_int4 = onnx_export_dir(target_dir, INT4_BUILD["precision"])
 
     def hf():
         return HFTarget.from_pretrained(target_dir, device=device, dtype=DTYPES[dtype])
@@ -219,6 +223,10 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
 
     def onnx_target():
         return ort.OrtTarget(ensure_export(target_dir, export, quiet=False), target_dir, threads=torch.get_num_threads())
+
+    def onnx_int4_target():
+        return ort.OrtTarget(ensure_export(target_dir, export_int4, quiet=False, build=INT4_BUILD), target_dir,
+                             threads=torch.get_num_threads())
 
     def onnx_q41_target():
         return ort.OrtTarget(onnx_q41.ensure_export(target_dir, export_q41, export, quiet=False), target_dir,
@@ -252,6 +260,10 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
             **native("ort-q4_1", onnx_q41.BUILD)),
         "ort-q4_k_m": _Builder(onnx_gguf_target, ort_missing or _gguf_why_not(gguf, exported or exported_gguf),
                                ready=exported_gguf, **native("ort-q4_k_m", onnx_gguf.BUILD)),
+        "ort-int4": _Builder(onnx_int4_target, ort_missing or (
+            None if builder_version() or is_current(Path(target_dir), export_int4, INT4_BUILD)
+            else "onnxruntime-genai (the exporter) is not installed (make setup installs it)"),
+            ready=is_current(Path(target_dir), export_int4, INT4_BUILD), auto=False, **native("ort-int4", INT4_BUILD)),
     }
 
 
@@ -295,7 +307,8 @@ def doctor_report(target_dir, gguf: Path | None = None, reprobe: bool = False) -
         if builder.why_not is not None:
             backends[name] = f"not a candidate: {builder.why_not}"
         elif not builder.ready:
-            backends[name] = f"not prepared (dflash models, or --target-backend {name} once)"
+            backends[name] = (f"not prepared (dflash models, or --target-backend {name} once)" if builder.auto
+                              else f"not prepared (--target-backend {name} once; never chosen by auto)")
         else:
             backends[name] = builder.verdict(directory).line()
     return {

@@ -45,6 +45,17 @@ same kernels as in the one-sequence graph, so its numbers are the same bit for b
 
 The export is cached (dflash.model_files.onnx_export_dir) with a manifest of what made it;
 an export whose manifest disagrees with its source folder is made again.
+
+The int4 build (`INT4_BUILD`, the `ort-int4` backend, asked for by name only): the same
+builder and edits with 4-bit weights in blocks of 32 chosen by the builder's `k_quant`
+search, the LM head at 8 bits. A plain step of a model too large for the CPU's caches reads
+every weight once, so fewer bytes are a faster step: on Zen 4 the 1.5B's plain step took
+35 ms against the int8 build's 45 (llama.cpp's Q4_K_M: 34). But the shipped 4-bit weights
+are rounded to another 4-bit grid, so answers leave the shipped file's sooner than the int8
+build's do (docs/models.md measures both); `auto` therefore never picks it by itself. Its
+4-bit kernels round one row as several on some CPUs and not on others (Zen 2), so whether a
+lone row must go through the weights twice is measured when the target loads
+(`min_rows` "measured": dflash.engine.target.ort).
 """
 
 from __future__ import annotations
@@ -65,6 +76,11 @@ FORMAT = 4  # bump when the edits below change
 PRECISION = "int8"
 BLOCK_SIZE = 64  # weights (and int8 activations) quantized per block of this many (module doc)
 BUILD = {"format": FORMAT, "precision": PRECISION, "block_size": BLOCK_SIZE}  # what an export is made as
+# The int4 build (module doc): the builder's options beside the precision, the fewest rows a
+# call runs measured at load.
+INT4_BUILD = {"format": FORMAT, "precision": "int4", "block_size": 32, "algo_config": "k_quant",
+              "matmul_mixed_precision": "last_matmul:int8", "min_rows": "measured"}
+_BUILDER_OPTIONS = ("block_size", "algo_config", "matmul_mixed_precision")  # a build's keys the builder takes
 
 
 def builder_version() -> str | None:
@@ -82,16 +98,16 @@ def source_files(hf_dir: Path) -> dict:
     return {p.name: p.stat().st_size for p in files}
 
 
-def _source_key(hf_dir: Path) -> dict:
-    """What the export depends on: this module's edits, the precision and the source files."""
-    return {**BUILD, "source": source_files(hf_dir)}
+def _source_key(hf_dir: Path, build: dict = BUILD) -> dict:
+    """What the export depends on: this module's edits, the build and the source files."""
+    return {**build, "source": source_files(hf_dir)}
 
 
-def is_current(hf_dir: Path, out: Path) -> bool:
+def is_current(hf_dir: Path, out: Path, build: dict = BUILD) -> bool:
     """Whether `out` holds an export of `hf_dir` as it is now (made by the builder installed
     here, when one is: a machine that runs the export without the builder, such as the
     worker image, takes it as made)."""
-    manifest = made_as(out, lambda: _source_key(Path(hf_dir)))
+    manifest = made_as(out, lambda: _source_key(Path(hf_dir), build))
     builder = builder_version()
     return manifest is not None and (builder is None or manifest.get("builder") == builder)
 
@@ -107,11 +123,13 @@ def made_as(out: Path, key) -> dict | None:
     return manifest if manifest.get("key") == key() and all((Path(out) / f).is_file() for f in files) else None
 
 
-def ensure_export(hf_dir: str | Path, out: str | Path, quiet: bool = True) -> Path:
-    """The int8 ONNX export of the Hugging Face folder `hf_dir` in folder `out` (made once,
-    20-60 s on 2 cores, whole or not at all), edited as the module says; the model file."""
+def ensure_export(hf_dir: str | Path, out: str | Path, quiet: bool = True, build: dict = BUILD) -> Path:
+    """The ONNX export of the Hugging Face folder `hf_dir` as `build` (BUILD, int8, or
+    INT4_BUILD) in folder `out` (made once, whole or not at all: 20-60 s on 2 cores for
+    SmolLM2, minutes for a 1.5B), edited as the module says; the model file."""
     hf_dir, out = Path(hf_dir), Path(out)
-    if is_current(hf_dir, out):
+    precision = build["precision"]
+    if is_current(hf_dir, out, build):
         return out / MODEL_FILE
     if builder_version() is None:
         raise DFlashError("bad_target", "the ort target backend needs onnxruntime-genai (its model builder) to export "
@@ -124,11 +142,11 @@ def ensure_export(hf_dir: str | Path, out: str | Path, quiet: bool = True) -> Pa
     try:
         built = work / "built"
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", hf_dir.name, "-i", str(hf_dir),
-               "-o", str(built), "-p", PRECISION, "-e", "cpu", "-c", str(work / "cache"),
-               "--extra_options", f"block_size={BLOCK_SIZE}"]
+               "-o", str(built), "-p", precision, "-e", "cpu", "-c", str(work / "cache"),
+               "--extra_options", *(f"{k}={build[k]}" for k in _BUILDER_OPTIONS if k in build)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         if not quiet:
-            print(f"exporting {hf_dir.name} to an {PRECISION} ONNX graph (once) ...", file=sys.stderr)
+            print(f"exporting {hf_dir.name} to an {precision} ONNX graph (once) ...", file=sys.stderr)
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0 or not (built / MODEL_FILE).is_file():
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
@@ -139,7 +157,7 @@ def ensure_export(hf_dir: str | Path, out: str | Path, quiet: bool = True) -> Pa
             edit(built / MODEL_FILE, final / MODEL_FILE)
         except DFlashError as exc:  # a graph of another shape: say which model and architecture made it
             raise DFlashError("bad_target", f"the ort backend cannot run {what}: {exc.message}") from None
-        publish(final, _source_key(hf_dir), out)
+        publish(final, _source_key(hf_dir, build), out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out / MODEL_FILE

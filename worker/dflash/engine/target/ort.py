@@ -130,7 +130,9 @@ class OrtTarget(BorrowedHead):
         self.model_file, self.hf_dir, self.build = model_file, hf_dir, read_build(model_file.parent)
         # ... except in a build whose kernels round one row differently from several (the q4_1
         # build's 4-bit weights: dflash.convert.onnx_q41), where it goes through them twice.
-        self.min_rows = int((self.build or {}).get("min_rows", 1))
+        # (the int4 build's 4-bit kernels do so on some CPUs only: there it is measured, below)
+        self.min_rows = 2 if (self.build or {}).get("min_rows") == "measured" else int((self.build or {}).get(
+            "min_rows", 1))
         precision = (self.build or {}).get("precision", "int8")
         self.backend = NAME if precision == "int8" else f"{NAME}-{precision}"
         self.name = hf_dir.name
@@ -145,6 +147,32 @@ class OrtTarget(BorrowedHead):
         # Sequences per call: up to the largest batch graph, where the export has them.
         self.max_batch = max(BATCH_GRAPHS) if all((model_file.parent / batch_file(k)).is_file()
                                                   for k in BATCH_GRAPHS) else 1
+        if (self.build or {}).get("min_rows") == "measured" and self.one_row_is_exact():
+            self.min_rows = 1
+
+    def one_row_is_exact(self) -> bool:
+        """Whether rows that go through the weights one per call get the numbers they get
+        among several here (this CPU's kernels): three new rows after a short context, fed
+        one per call against one call of three (min_rows 1 for the lone calls), logits and
+        the features compared bit for bit. A kernel that rounds one row otherwise does so
+        for any numbers, so one comparison tells."""
+        ids = [(11 + 97 * i) % self.vocab_size for i in range(8)]
+        saved, self.min_rows = self.min_rows, 1
+        try:
+            runs = []
+            for cuts in ((1, 1, 1), (3,)):
+                seq, logits, features = self.new_sequence(), [], []
+                self.forward_batch([TargetRow(seq, ids[:5], 0)], ())
+                at = 5
+                for c in cuts:
+                    out = self.forward_batch([TargetRow(seq, ids[at:at + c], c)], (0,))
+                    logits.append(out.logits[0].numpy().copy()), features.append(out.features[0].numpy().copy())
+                    at += c
+                self.free(seq)
+                runs.append((np.concatenate(logits), np.concatenate(features)))
+            return all(np.array_equal(a, b) for a, b in zip(*runs))
+        finally:
+            self.min_rows = saved
 
     # --- the Target protocol -------------------------------------------------------------
 
