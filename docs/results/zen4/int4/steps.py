@@ -15,8 +15,11 @@ for rnd in range(5):
             best = 1e9
             for _ in range(3):
                 s = t.new_sequence(); t.forward_batch([TargetRow(s, ctx, 1)], ())
-                a = time.perf_counter(); t.forward_batch([TargetRow(s, ctx[:k], k)], ()); best = min(best, time.perf_counter() - a)
+                a = time.perf_counter()
+                t.forward_batch([TargetRow(s, ctx[:k], k)], ())
+                best = min(best, time.perf_counter() - a)
                 t.free(s)
             res[n][k] = min(res[n].get(k, 1e9), best)
 for n in names:
-    print(n.split("/")[-1][:40], " ".join(f"T{k}={v*1e3:.1f}" for k, v in res[n].items()), "min_rows", ts[n].min_rows, flush=True)
+    times = " ".join(f"T{k}={v*1e3:.1f}" for k, v in res[n].items())
+    print(n.split("/")[-1][:40], times, "min_rows", ts[n].min_rows, flush=True)
