@@ -191,7 +191,7 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
 
     from dflash.convert import onnx_gguf, onnx_q41
     from dflash.convert.onnx_target import BUILD as onnx_target_build
-    from dflash.convert.onnx_target import INT4_BUILD, builder_version, ensure_export, is_current
+    from dflash.convert.onnx_target import INT4_BUILD, ensure_export, is_current
     from dflash.engine.dtypes import DTYPES
     from dflash.engine.target import llamacpp, ort, probe
     from dflash.engine.target.hf import HFTarget
@@ -204,6 +204,7 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     export_gguf = onnx_export_dir(target_dir, onnx_gguf.PRECISION)
     exported_gguf = onnx_gguf.is_current(Path(target_dir), export_gguf, gguf)
     export_int4 = onnx_export_dir(target_dir, INT4_BUILD["precision"])
+    exported_int4 = is_current(Path(target_dir), export_int4, INT4_BUILD)
 
     def hf():
         return HFTarget.from_pretrained(target_dir, device=device, dtype=DTYPES[dtype])
@@ -250,28 +251,29 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
             None if llamacpp.available() else "llama-cpp-python is not installed (make setup installs it)") or (
             None if gguf is not None else "no GGUF of the target (--target-gguf FILE; the embedded default has one)"),
             **native("llamacpp")),
-        "ort": _Builder(onnx_target, ort_missing or (
-            None if builder_version() or exported
-            else "onnxruntime-genai (the exporter) is not installed (make setup installs it)"), ready=exported,
-            **native("ort", onnx_target_build)),
-        "ort-q4_1": _Builder(onnx_q41_target, ort_missing or (
-            None if builder_version() or exported or exported_q41
-            else "onnxruntime-genai (the exporter) is not installed (make setup installs it)"), ready=exported_q41,
-            **native("ort-q4_1", onnx_q41.BUILD)),
+        "ort": _Builder(onnx_target, ort_missing or _exporter_why_not(exported), ready=exported,
+                        **native("ort", onnx_target_build)),
+        "ort-q4_1": _Builder(onnx_q41_target, ort_missing or _exporter_why_not(exported or exported_q41),
+                             ready=exported_q41, **native("ort-q4_1", onnx_q41.BUILD)),
         "ort-q4_k_m": _Builder(onnx_gguf_target, ort_missing or _gguf_why_not(gguf, exported or exported_gguf),
                                ready=exported_gguf, **native("ort-q4_k_m", onnx_gguf.BUILD)),
-        "ort-int4": _Builder(onnx_int4_target, ort_missing or (
-            None if builder_version() or is_current(Path(target_dir), export_int4, INT4_BUILD)
-            else "onnxruntime-genai (the exporter) is not installed (make setup installs it)"),
-            ready=is_current(Path(target_dir), export_int4, INT4_BUILD), auto=False, **native("ort-int4", INT4_BUILD)),
+        "ort-int4": _Builder(onnx_int4_target, ort_missing or _exporter_why_not(exported_int4), ready=exported_int4,
+                             auto=False, **native("ort-int4", INT4_BUILD)),
     }
+
+
+def _exporter_why_not(exported: bool) -> str | None:
+    """Why an ort build cannot run (None: it can): its export is not there and cannot be made."""
+    from dflash.convert.onnx_target import builder_version
+
+    return None if builder_version() or exported else \
+        "onnxruntime-genai (the exporter) is not installed (make setup installs it)"
 
 
 def _gguf_why_not(gguf: Path | None, exported: bool) -> str | None:
     """Why the ort backend's q4_k_m build cannot run a target (None: it can): it takes the
     blocks of a Q4_K_M (or Q4_K_S) GGUF, and its export needs the builder."""
     from dflash.convert import onnx_gguf
-    from dflash.convert.onnx_target import builder_version
 
     if gguf is None or not Path(gguf).is_file():
         return "the target has no GGUF file (the q4_k_m build holds a Q4_K_M file's blocks)"
@@ -281,7 +283,7 @@ def _gguf_why_not(gguf: Path | None, exported: bool) -> str | None:
         return exc.message
     if kind is None:
         return f"{Path(gguf).name} is not a Q4_K_M or Q4_K_S file"
-    return None if builder_version() or exported else "onnxruntime-genai (the exporter) is not installed"
+    return _exporter_why_not(exported)
 
 
 def doctor_report(target_dir, gguf: Path | None = None, reprobe: bool = False) -> dict:

@@ -131,8 +131,8 @@ class OrtTarget(BorrowedHead):
         # ... except in a build whose kernels round one row differently from several (the q4_1
         # build's 4-bit weights: dflash.convert.onnx_q41), where it goes through them twice.
         # (the int4 build's 4-bit kernels do so on some CPUs only: there it is measured, below)
-        self.min_rows = 2 if (self.build or {}).get("min_rows") == "measured" else int((self.build or {}).get(
-            "min_rows", 1))
+        fewest = (self.build or {}).get("min_rows", 1)
+        self.min_rows = 2 if fewest == "measured" else int(fewest)
         precision = (self.build or {}).get("precision", "int8")
         self.backend = NAME if precision == "int8" else f"{NAME}-{precision}"
         self.name = hf_dir.name
@@ -147,7 +147,7 @@ class OrtTarget(BorrowedHead):
         # Sequences per call: up to the largest batch graph, where the export has them.
         self.max_batch = max(BATCH_GRAPHS) if all((model_file.parent / batch_file(k)).is_file()
                                                   for k in BATCH_GRAPHS) else 1
-        if (self.build or {}).get("min_rows") == "measured" and self.one_row_is_exact():
+        if fewest == "measured" and self.one_row_is_exact():
             self.min_rows = 1
 
     def one_row_is_exact(self) -> bool:
