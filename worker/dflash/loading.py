@@ -125,10 +125,8 @@ def load_engine(target_dir, drafter_dir, device: str = "cpu", dtype: str = "floa
     if runnable == ["hf"]:
         target = builders["hf"]()
         target.selection = {"backend": "hf", "how": "the only backend ready for this device, dtype and target",
-                            "not_candidates": {k: b.why_not or backends.get(k) or (
-                                f"not prepared (dflash models, or --target-backend {k} once)" if b.auto
-                                else f"chosen by name only (--target-backend {k})") for k, b in builders.items()
-                                if k != "hf"},
+                            "not_candidates": {k: b.why_not or backends.get(k) or b.left_out() for k, b in
+                                               builders.items() if k != "hf"},
                             "backends": backends}
         return engine_over(target)
     engine = fastest_engine({k: builders[k] for k in runnable}, engine_over, target_dir, cost_dir, serving)
@@ -150,6 +148,14 @@ class _Builder:
                  probe=None, reference=None, build: dict | None = None, auto: bool = True):
         self.make, self.why_not, self.ready, self.auto = make, why_not, ready, auto
         self.name, self.target_dir, self.probe, self.reference, self.build = name, target_dir, probe, reference, build
+
+    def left_out(self) -> str:
+        """Why auto leaves it out before probing it, where it can run here: its model is not
+        prepared, or it is asked for by name only (else: it is a candidate)."""
+        if not self.ready:
+            return (f"not prepared (dflash models, or --target-backend {self.name} once)" if self.auto
+                    else f"not prepared (--target-backend {self.name} once; never chosen by auto)")
+        return "a candidate of auto" if self.auto else f"chosen by name only (--target-backend {self.name})"
 
     def __call__(self):
         if self.why_not is not None:
@@ -309,8 +315,7 @@ def doctor_report(target_dir, gguf: Path | None = None, reprobe: bool = False) -
         if builder.why_not is not None:
             backends[name] = f"not a candidate: {builder.why_not}"
         elif not builder.ready:
-            backends[name] = (f"not prepared (dflash models, or --target-backend {name} once)" if builder.auto
-                              else f"not prepared (--target-backend {name} once; never chosen by auto)")
+            backends[name] = builder.left_out()
         else:
             backends[name] = builder.verdict(directory).line()
     return {

@@ -49,10 +49,10 @@ an export whose manifest disagrees with its source folder is made again.
 The int4 build (`INT4_BUILD`, the `ort-int4` backend, asked for by name only): the same
 builder and edits with 4-bit weights in blocks of 32 chosen by the builder's `k_quant`
 search, the LM head at 8 bits. A plain step of a model too large for the CPU's caches reads
-every weight once, so fewer bytes are a faster step: on Zen 4 the 1.5B's plain step took
-35 ms against the int8 build's 45 (llama.cpp's Q4_K_M: 34). But the shipped 4-bit weights
-are rounded to another 4-bit grid, so answers leave the shipped file's sooner than the int8
-build's do (docs/models.md measures both); `auto` therefore never picks it by itself. Its
+every weight once, so fewer bytes are a faster step. But the shipped 4-bit weights are
+rounded to another 4-bit grid, so answers leave the shipped file's sooner than the int8
+build's do (docs/models.md measures both: speed and agreement); `auto` therefore never
+picks it by itself. Its
 4-bit kernels round one row as several on some CPUs and not on others (Zen 2), so whether a
 lone row must go through the weights twice is measured when the target loads
 (`min_rows` "measured": dflash.engine.target.ort).
