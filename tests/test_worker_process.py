@@ -27,12 +27,16 @@ def test_serve_client_and_sigterm_drain(tmp_path, smol_dir):
         stderr=subprocess.STDOUT,
     )
     try:
+        # The socket is bound a moment before the ready line is logged: wait for the line.
         end = time.monotonic() + 120
-        while not sock.exists() and time.monotonic() < end and proc.poll() is None:
+        while time.monotonic() < end and proc.poll() is None:
+            log.seek(0)
+            if "dflash worker ready on" in log.read():
+                break
             time.sleep(0.1)
-        assert sock.exists(), open(tmp_path / "worker.log").read()
         log.seek(0)
-        assert "dflash worker ready on" in log.read()
+        assert "dflash worker ready on" in log.read(), open(tmp_path / "worker.log").read()
+        assert sock.exists()
 
         out = subprocess.run(
             [sys.executable, "-m", "dflash.cli", "client", "--socket", str(sock), "status"],
