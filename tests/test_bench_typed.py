@@ -49,6 +49,15 @@ def test_the_bench_constrains_each_prompt_and_counts_valid_outputs(tiny_text_eng
         assert list(row)[list(row).index("prompts") + 1] == "valid"
         assert row["greedy_mismatches"] == 0, method  # `ar` is constrained plain decoding
     assert rows["dflash-auto"]["proposers"]["forced"]["accepted"] > 0
+    # The report shows them beside each method's seconds per answer (whitespace a grammar
+    # leaves free changes the number of tokens, not the values).
+    from dflash.bench.run import markdown
+
+    lines = [ln for ln in markdown(report).splitlines() if ln.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    auto = [c.strip() for c in next(ln for ln in lines if "| dflash-auto |" in ln).strip("|").split("|")]
+    assert head[2:5] == ["prompts", "valid", "s / answer"] and len(auto) == len(head)
+    assert auto[3] == "3" and float(auto[4]) == pytest.approx(rows["dflash-auto"]["wall_s"] / 4, abs=0.006)
 
 
 def test_methods_that_cannot_constrain_are_refused(tiny_text_engine, tmp_path):

@@ -102,6 +102,8 @@ def test_the_int4_build_is_asked_for_by_name_never_chosen_by_auto(qwen2_dir):
     builders = target_builders(qwen2_dir)
     assert "ort-int4" in TARGET_BACKENDS and builders["ort-int4"].build == onnx_target.INT4_BUILD
     assert not builders["ort-int4"].auto and builders["ort"].auto and builders["llamacpp"].auto
+    # The CLI's choices are the builders (and "auto"): a backend cannot be named and unbuilt.
+    assert TARGET_BACKENDS == ("auto", *builders)
 
 
 def _teacher_forced(target, prompts, tokens=None):
