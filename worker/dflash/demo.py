@@ -1,7 +1,7 @@
 """`dflash demo`: the whole product end to end on a throwaway PostgreSQL cluster.
 
 Starts a temporary cluster (initdb + pg_ctl; as user postgres when run as root), starts
-the worker on the embedded default models, runs CREATE EXTENSION dflash CASCADE and
+the worker on the embedded default models (or on `target`), runs CREATE EXTENSION dflash CASCADE and
 SELECT dflash_generate(...), shows the recorded statistics, then stops everything.
 Needs the PostgreSQL pieces installed (`make setup` does that).
 """
@@ -18,7 +18,7 @@ from dflash.localpg import start_local_cluster
 from dflash.processes import stop
 
 
-def run_demo(prompt: str, max_new_tokens: int = 64) -> int:
+def run_demo(prompt: str, max_new_tokens: int = 64, target: str | None = None) -> int:
     import psycopg
 
     server = start_local_cluster()
@@ -26,11 +26,12 @@ def run_demo(prompt: str, max_new_tokens: int = 64) -> int:
     worker = None
     try:
         cmd = [sys.executable, "-m", "dflash.cli", "serve", "--socket", str(sock)]
+        cmd += ["--target", target] if target else []
         if os.geteuid() == 0:
             cmd += ["--socket-group", server.os_user]
         print(f"$ {' '.join(cmd[2:])}", flush=True)
         worker = subprocess.Popen(cmd)
-        end = time.monotonic() + 300
+        end = time.monotonic() + 1800  # a named model's first start probes its backends
         while not sock.exists():
             if worker.poll() is not None or time.monotonic() > end:
                 print("dflash demo: the worker did not start", file=sys.stderr)

@@ -450,8 +450,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="CPU threads (torch's and llama.cpp's; default: torch's choice)")
     p.add_argument("--target-backend", default="auto", choices=TARGET_BACKENDS,
                    help="what runs the target: hf (transformers, the reference), llamacpp (its GGUF in llama.cpp, "
-                        "CPU), ort (an int8 ONNX export in ONNX Runtime, CPU), ort-q4_1 (the same graph with a Q4_1 "
-                        "target's weights exactly, CPU), auto (default: the one that decodes "
+                        "CPU), ort (an int8 ONNX export in ONNX Runtime, CPU), ort-q4_1 / ort-q4_k_m (the same graph "
+                        "with a Q4_1 / Q4_K_M target's weights exactly, CPU), ort-int4 (a 4-bit export, asked for by "
+                        "name only: docs/models.md), auto (default: the one that decodes "
                         f"fastest here, measured once and cached; for `serve`, a lone request and one among "
                         f"{BUSY_CALLERS} callers weighed alike)")
     p.add_argument("--target-gguf", help="the target as GGUF for --target-backend llamacpp (default: --target's own GGUF "
