@@ -52,10 +52,9 @@ search, the LM head at 8 bits. A plain step of a model too large for the CPU's c
 every weight once, so fewer bytes are a faster step. But the shipped 4-bit weights are
 rounded to another 4-bit grid, so answers leave the shipped file's sooner than the int8
 build's do (docs/models.md measures both: speed and agreement); `auto` therefore never
-picks it by itself. Its
-4-bit kernels round one row as several on some CPUs and not on others (Zen 2), so whether a
-lone row must go through the weights twice is measured when the target loads
-(`min_rows` "measured": dflash.engine.target.ort).
+picks it by itself. Its 4-bit kernels round one row as several on some CPUs and not on
+others (Zen 2), so whether a lone row must go through the weights twice is measured when the
+target loads (`min_rows` "measured": dflash.engine.target.ort).
 """
 
 from __future__ import annotations
