@@ -112,9 +112,27 @@ def test_a_backend_that_hangs_is_unusable(fakes, monkeypatch):
     assert not v.usable and "hung" in v.reason and "batched decode" in v.reason
 
 
-def test_a_backend_that_refuses_to_load_says_why(fakes):
+def test_a_backend_that_refuses_to_load_says_why_and_is_not_marked_unusable(fakes):
+    """A clean error while loading (a file the backend cannot read) is the caller's: raised
+    with its own code, and not kept, so the same backend given a good file is probed anew."""
     v = probe.verdict("refuse", "fake-target", spec("refuse"), spec("ok"), fakes)
-    assert not v.usable and "this fake refuses to load" in v.reason
+    assert not v.usable and v.reason == "this fake refuses to load" and v.error_code == "bad_target"
+    assert probe.cached(fakes, v.key) is None
+    with pytest.raises(DFlashError) as err:
+        probe.require("refuse", "fake-target", spec("refuse"), spec("ok"), fakes)
+    assert err.value.code == "bad_target" and err.value.message == "this fake refuses to load"
+
+
+def test_a_gguf_backends_verdict_is_kept_per_file(tmp_path, smol_dir):
+    """llama.cpp's verdict holds for the GGUF it ran: another file for the same target is
+    probed on its own (one it cannot read never marks the backend unusable for the rest)."""
+    from dflash.loading import target_builders
+
+    one, two = tmp_path / "one.gguf", tmp_path / "two.gguf"
+    one.write_bytes(b"GGUF" + bytes(60)), two.write_bytes(b"GGUF" + bytes(61))
+    keys = [probe.key_of("llamacpp", smol_dir, target_builders(smol_dir, gguf=g)["llamacpp"].build) for g in (one, two)]
+    assert keys[0] != keys[1]
+    assert str(one.resolve()) in keys[0]["build"]["gguf"]
 
 
 def test_a_verdict_is_remembered_and_can_be_probed_again(fakes, monkeypatch):

@@ -256,13 +256,14 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
         "llamacpp": _Builder(gguf_target, cpu32 or (
             None if llamacpp.available() else "llama-cpp-python is not installed (make setup installs it)") or (
             None if gguf is not None else "no GGUF of the target (--target-gguf FILE; the embedded default has one)"),
-            **native("llamacpp")),
+            **native("llamacpp", {"gguf": probe.file_stamp(gguf)})),
         "ort": _Builder(onnx_target, ort_missing or _exporter_why_not(exported), ready=exported,
                         **native("ort", onnx_target_build)),
         "ort-q4_1": _Builder(onnx_q41_target, ort_missing or _exporter_why_not(exported or exported_q41),
                              ready=exported_q41, **native("ort-q4_1", onnx_q41.BUILD)),
         "ort-q4_k_m": _Builder(onnx_gguf_target, ort_missing or _gguf_why_not(gguf, exported or exported_gguf),
-                               ready=exported_gguf, **native("ort-q4_k_m", onnx_gguf.BUILD)),
+                               ready=exported_gguf,
+                               **native("ort-q4_k_m", {**onnx_gguf.BUILD, "gguf": probe.file_stamp(gguf)})),
         "ort-int4": _Builder(onnx_int4_target, ort_missing or _exporter_why_not(exported_int4), ready=exported_int4,
                              auto=False, **native("ort-int4", INT4_BUILD)),
     }

@@ -5,14 +5,17 @@ tells nobody why: llama.cpp's AMX kernels fault on the Xeons here (SIGSEGV insid
 `llama_decode`, although the kernel grants the tile permission, so only running the kernel
 tells). So the first time a backend runs for a key (the CPU as `costs.cpu_name` names it, the
 target, and the backend's build: runtime versions, the native library's file, the export's
-build), a child process loads it and runs a short batched decode with features, teacher-forced
-on the reference path's greedy tokens (the hf backend, in a child of its own, cached as well).
+build, the GGUF file it reads), a child process loads it and runs a short batched decode
+with features, teacher-forced on the reference path's greedy tokens (the hf backend, in a
+child of its own, cached as well).
 The verdict is kept in the model cache (dflash.model_files.probe_dir):
 - usable: it ran, and at every position its greedy token is among the reference's TOP_K and
   equals the reference's own on at least AGREE of them (a quantized runtime may differ where two
   logits are close; a broken kernel gives garbage);
 - unusable, with the reason: killed by a signal (its name), no answer within the time limit,
   an error, or disagreement (the counts).
+A clean error while loading (a file the backend cannot read) is the caller's, raised as it
+was and not kept: it says nothing of this CPU.
 `auto` chooses among usable backends; a backend asked for by name that failed is a clean
 `backend_unusable` error naming the backend, the reason and the CPU. A later start reads the
 verdict and does not probe again; `dflash doctor --reprobe` forgets this CPU's verdicts.
@@ -71,6 +74,9 @@ class Verdict:
     # a backend that failed before); `features_reason`: why not.
     features: bool | None = None
     features_reason: str | None = None
+    # The clean error the backend raised while loading (a file it cannot read, say): a fact
+    # of what it was given, not of this CPU, so such a verdict is not kept.
+    error_code: str | None = None
 
     def line(self) -> str:
         if not self.key:
@@ -102,6 +108,20 @@ def _library_stamp() -> str | None:
         return None
     libs = sorted(Path(next(iter(spec.submodule_search_locations))).glob("lib/lib*.so*"))
     return ";".join(f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in libs) or None
+
+
+def file_stamp(path: str | Path | None) -> str | None:
+    """A model file as a verdict's key holds it: a native backend that ran one GGUF says
+    nothing of another given for the same target (a file it cannot load would otherwise mark
+    the backend unusable for every file of that target)."""
+    if path is None:
+        return None
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError:
+        return str(path.resolve())
+    return f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
 
 
 def key_of(backend: str, target_dir: str | Path, build: dict | None = None) -> dict:
@@ -162,7 +182,8 @@ def verdict(backend: str, target_dir: str | Path, spec: Spec, reference: Spec | 
         return got
     ref = reference_tokens(target_dir, reference, directory) if reference is not None else None
     v = _probe(backend, key, spec, ref)
-    _keep(_path(directory, key), asdict(v))
+    if v.error_code is None:
+        _keep(_path(directory, key), asdict(v))
     return v
 
 
@@ -182,6 +203,8 @@ def require(backend: str, target_dir, spec: Spec, reference: Spec | None, direct
             build: dict | None = None) -> Verdict:
     """The verdict, or a clean error where the backend failed its probe here."""
     v = verdict(backend, target_dir, spec, reference, directory, build)
+    if v.error_code is not None:
+        raise DFlashError(v.error_code, v.reason)
     if not v.usable:
         raise DFlashError("backend_unusable", f"the {backend} target backend cannot run on this machine: {v.reason} "
                                               f"(CPU: {v.cpu}; probed {v.probed_at}). Choose another --target-backend, "
@@ -200,7 +223,7 @@ def reference_tokens(target_dir, spec: Spec, directory: Path) -> dict | None:
             return got.get("reference")
     except (OSError, ValueError):
         pass
-    answers, _, _ = _run_child(spec, None)
+    answers, _, _, _ = _run_child(spec, None)
     ref = answers.get("plain")
     _keep(path, {"key": key, "cpu": key["cpu"], "reference": ref})
     return ref
@@ -208,7 +231,10 @@ def reference_tokens(target_dir, spec: Spec, directory: Path) -> dict | None:
 
 def _probe(backend: str, key: dict, spec: Spec, ref: dict | None) -> Verdict:
     t = time.monotonic()
-    answers, failure, part = _run_child(spec, ref)
+    answers, failure, part, code = _run_child(spec, ref)
+    if code is not None:
+        return Verdict(backend, False, failure, key["cpu"], datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                       round(time.monotonic() - t, 2), key, error_code=code)
     agreement, features, features_reason = None, None, None
     if "plain" in answers:
         failure_plain = failure if part == "plain" else None
@@ -242,9 +268,10 @@ def judge(ref: dict, answer: dict) -> dict:
     return {"positions": positions, "equal": equal, "in_top_k": in_top, "features_finite": finite, "agrees": agrees}
 
 
-def _run_child(spec: Spec, ref: dict | None) -> tuple[dict, str | None, str]:
+def _run_child(spec: Spec, ref: dict | None) -> tuple[dict, str | None, str, str | None]:
     """The child's answers by part ("plain": a batched decode, then "features": the same with
-    layer features), why it failed (None: it did not) and the part it was in then."""
+    layer features), why it failed (None: it did not), the part it was in then, and the
+    code of the clean error it raised while loading (None: it raised none)."""
     job = json.dumps({"spec": asdict(spec), "reference": ref})
     proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", __name__], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -255,7 +282,7 @@ def _run_child(spec: Spec, ref: dict | None) -> tuple[dict, str | None, str]:
     proc.stdin.write(job)
     proc.stdin.close()
     answers: dict = {}
-    error, part = None, "load"
+    error, code, part = None, None, "load"
     deadline = time.monotonic() + LOAD_TIMEOUT_S
     try:
         while True:
@@ -263,7 +290,7 @@ def _run_child(spec: Spec, ref: dict | None) -> tuple[dict, str | None, str]:
                 line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 limit = LOAD_TIMEOUT_S if part == "load" else RUN_TIMEOUT_S
-                return answers, f"no answer within {limit:.0f} s ({_PARTS[part]}: hung)", part
+                return answers, f"no answer within {limit:.0f} s ({_PARTS[part]}: hung)", part, None
             if line is None:
                 break
             if line.startswith(MARK):
@@ -274,7 +301,7 @@ def _run_child(spec: Spec, ref: dict | None) -> tuple[dict, str | None, str]:
                     answers[part] = msg["answer"]
                     part, deadline = "features", time.monotonic() + RUN_TIMEOUT_S
                 elif "error" in msg:
-                    error = msg["error"]
+                    error, code = msg["error"], msg.get("code") if part == "load" else None
         rc = proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
@@ -282,11 +309,14 @@ def _run_child(spec: Spec, ref: dict | None) -> tuple[dict, str | None, str]:
             proc.wait()
     tail = _cause(err)
     if rc < 0:
-        return answers, f"killed by {signal.Signals(-rc).name} {_PARTS[part]}" + (f" ({tail})" if tail else ""), part
+        return (answers, f"killed by {signal.Signals(-rc).name} {_PARTS[part]}" + (f" ({tail})" if tail else ""),
+                part, None)
+    if code is not None:
+        return answers, error, part, code
     if error is not None or "features" not in answers:
         why = error or f"exited with status {rc} and no answer" + (f" ({tail})" if tail else "")
-        return answers, f"failed {_PARTS[part]}: {why}", part
-    return answers, None, part
+        return answers, f"failed {_PARTS[part]}: {why}", part, None
+    return answers, None, part, None
 
 
 def _cause(err: list[str]) -> str:
@@ -316,7 +346,7 @@ def _child() -> None:
     try:
         target = getattr(importlib.import_module(module), func)(**spec.kwargs)
     except DFlashError as exc:
-        _say(error=exc.message)
+        _say(error=exc.message, code=exc.code)
         return
     _say(loaded=True)
     if ref is None:  # the reference: tokenize, decode greedily
