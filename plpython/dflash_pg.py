@@ -13,7 +13,7 @@ import json
 
 from dflash import error_codes  # each worker error code's SQLSTATE and hint: one table
 from dflash.serve.client import Client, WorkerError
-from dflash.options import SQL_OPTIONS
+from dflash.options import CONSTRAINTS, SQL_OPTIONS, in_required_order
 from dflash.serve.protocol import HISTORY_TOKENS, cut_short, pg_text, wants_prior, wants_workload, workload_key
 
 # dflash_classify's prompt: the input with the labels to choose from (the answer is then
@@ -75,6 +75,8 @@ def generation_params(plpy, fn, prompt, args):
     params.update({k: args[k] for k in SQL_OPTIONS if k in args and args[k] is not None})
     if isinstance(params.get("json_schema"), str):  # a jsonb argument comes as its text
         params["json_schema"] = json.loads(params["json_schema"])
+    if "json_schema" in params:  # jsonb kept no key order: the required list's is taken
+        params["json_schema"] = in_required_order(params["json_schema"])
     if "choices" in params and any(c is None for c in params["choices"]):
         fail(plpy, f"{fn}: choices must not contain NULL", "22004")
     return params
@@ -187,10 +189,12 @@ def generate_many(plpy, prompts, args):
     _check_not_null(plpy, "dflash_generate", prompts=prompts)
     if any(p is None for p in prompts):
         fail(plpy, "dflash_generate: prompts must not contain NULL", "22004")
-    if not prompts:
-        return []
-    params = generation_params(plpy, "dflash_generate", prompts[0], args)
+    params = generation_params(plpy, "dflash_generate", prompts[0] if prompts else "", args)
     del params["prompt"]
+    if not prompts:  # nothing to generate, but bad options are still an error
+        if any(k in params for k in CONSTRAINTS):
+            call(plpy, "check_options", params)
+        return []
     check_writable(plpy, "dflash_generate")
     cfg = settings(plpy)
     t = time.monotonic()

@@ -81,6 +81,23 @@ def test_a_truncated_answer_is_an_error_never_an_answer(db):
     assert scalar(db, "SELECT truncated FROM dflash.generations ORDER BY id DESC LIMIT 1") is True
 
 
+# jsonb stores keys shortest first ("plan" before "urgent"); the required list says otherwise
+URGENT_FIRST = dict(TICKET, required=["urgent", "plan"])
+
+
+def test_a_schemas_properties_come_in_its_required_order(db, alice, sql_worker, worker_dsn):
+    text = scalar(db, "SELECT dflash_generate('A ticket', json_schema => %s::jsonb)", json.dumps(URGENT_FIRST))
+    assert text.startswith('{"urgent": ') and valid_ticket(json.loads(text)), text
+    for mode in ("sync", "async"):
+        table = f"{ALICE}.tickets_order_{mode}"
+        make_table(alice, table, "text", {"mode": mode, "json_schema": URGENT_FIRST, "max_new_tokens": 40})
+        alice.execute(f"INSERT INTO {table} (prompt) VALUES ('first')")
+        if mode == "async":
+            drain(sql_worker, worker_dsn, batch=1)
+        text = scalar(alice, f"SELECT answer FROM {table}")
+        assert text.startswith('{"urgent": ') and valid_ticket(json.loads(text)), (mode, text)
+
+
 @pytest.mark.parametrize("query, args, words", [
     ("SELECT dflash_generate_json('x', '{\"type\": \"nonsense\"}')", (), "nonsense"),
     ("SELECT dflash_generate_json('x', '{\"type\": \"array\", \"uniqueItems\": true}')", (), "uniqueItems"),
@@ -89,6 +106,8 @@ def test_a_truncated_answer_is_an_error_never_an_answer(db):
     ("SELECT dflash_generate('x', choices => ARRAY[]::text[])", (), "empty"),
     ("SELECT dflash_generate('x', regex => 'a', choices => ARRAY['a'])", (), "at most one"),
     ("SELECT dflash_generate('x', regex => 'a', json_schema => '{}')", (), "at most one"),
+    ("SELECT dflash_generate(ARRAY[]::text[], choices => ARRAY[]::text[])", (), "empty"),
+    ("SELECT dflash_generate_json('x', '[1, 2]')", (), "a JSON object"),
     ("SELECT dflash_classify('x', ARRAY[]::text[])", (), "empty"),
     ("SELECT dflash_classify('x', ARRAY['a', ''])", (), "non-empty"),
 ])
@@ -129,7 +148,8 @@ def test_the_queue_fills_a_column_with_valid_json(alice, sql_worker, worker_dsn,
         assert valid_ticket(a if column_type == "jsonb" else json.loads(a)), a
     rows = alice.execute("SELECT mode, truncated, forced_tokens FROM dflash.generations WHERE source_table = %s::regclass",
                          (table,)).fetchall()
-    assert len(rows) == 6 and all(r[0] == "trigger" and r[1] is False and r[2] >= 0 for r in rows)
+    # `{"plan": "` and `", "urgent": ` are forced in every answer
+    assert len(rows) == 6 and all(r[0] == "trigger" and r[1] is False and r[2] > 0 for r in rows)
 
 
 def test_the_sync_mode_fills_a_jsonb_column(alice, sql_worker):

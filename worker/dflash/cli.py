@@ -11,6 +11,10 @@ from dflash.errors import DFlashError
 from dflash.loading import RANDOM_DRAFTER_WARNING, add_backend_args, add_model_args, check_backend_args
 from dflash.loading import engine_from_args, target_arg
 
+EXIT_ERROR = 2  # bad input or a failed command: one line `dflash: error: ...`
+EXIT_TRUNCATED = 3  # `generate`: a constrained answer cut short of its form (printed, not valid)
+
+
 def _ids(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -144,7 +148,8 @@ def cmd_generate(args) -> int:
         if s.truncated:
             print(f"[truncated: max_new_tokens ({args.max_new_tokens}) cut the answer short of its form; it does not "
                   "parse or validate]", file=sys.stderr)
-    return 0
+    # A script reading the answer must not take a cut one for valid: printed, but not a success.
+    return EXIT_TRUNCATED if result.stats.truncated else 0
 
 
 def cmd_models(args) -> int:
@@ -486,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except DFlashError as exc:
         print(f"dflash: error: {exc.message}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -74,13 +74,36 @@ def defaults() -> dict:
     return {o.name: (list(o.default) if isinstance(o.default, tuple) else o.default) for o in GENERATION_OPTIONS}
 
 
+def in_required_order(schema):
+    """A JSON Schema as jsonb gives it back: jsonb keeps no key order (it stores keys shortest
+    first), and the grammar writes an answer's properties in the schema's order, so an
+    object's `properties` are put in its `required` list's order (an array keeps its order),
+    the others after them. A caller who wants a reasoning field before the answer lists
+    both, in that order, under `required`."""
+    if isinstance(schema, list):
+        return [in_required_order(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: in_required_order(v) for k, v in schema.items()}
+    props, required = out.get("properties"), schema.get("required")
+    if isinstance(props, dict) and isinstance(required, list):
+        first = [k for k in dict.fromkeys(required) if isinstance(k, str) and k in props]
+        out["properties"] = {**{k: props[k] for k in first}, **{k: v for k, v in props.items() if k not in first}}
+    return out
+
+
+_JSON_NAMES = {dict: "a JSON object", list: "an array", str: "a string", int: "an integer", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
 def type_error(name: str, value) -> str | None:
     """Why `value` cannot be option `name` (by type; the engine checks ranges), or None."""
     types = BY_NAME[name].types
     if isinstance(value, types) and not (isinstance(value, bool) and bool not in types):
         return None
-    names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
-    return f"parameter '{name}' must be {names}, got {type(value).__name__}"
+    names = " or ".join(dict.fromkeys("a number" if t in (int, float) and float in types else
+                                      _JSON_NAMES.get(t, t.__name__) for t in types))
+    return f"parameter '{name}' must be {names}, got {_JSON_NAMES.get(type(value), type(value).__name__)}"
 
 
 def markdown_table() -> str:

@@ -179,7 +179,8 @@ def _schema_constraint(schema) -> Constraint:
         raise DFlashError("unsupported_schema", "json_schema: the key x-guidance is not supported (dflash sets how "
                           "the JSON is written)")
     try:
-        # Key order kept: the answer writes properties in the order the schema lists them.
+        # Key order kept: the answer writes properties in the order the schema lists them
+        # (from SQL, whose jsonb keeps none, in the required list's: options.in_required_order).
         text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise DFlashError("bad_json_schema", f"json_schema is not JSON: {exc}") from None

@@ -32,7 +32,7 @@ from psycopg.types.json import Jsonb
 
 from dflash import error_codes
 from dflash.errors import DFlashError
-from dflash.options import SQL_OPTIONS
+from dflash.options import SQL_OPTIONS, in_required_order
 from dflash.serve.protocol import HISTORY_TOKENS, cut_short, pg_text, wants_prior, wants_workload, workload_key
 
 log = logging.getLogger("dflash.queue")
@@ -195,6 +195,8 @@ class QueueConsumer:
         if options is None:
             raise DFlashError("not_enabled", f"generation is no longer enabled for {tbl}")
         params = {k: options[k] for k in SQL_OPTIONS if k in options}
+        if "json_schema" in params:  # read from jsonb, which kept no key order
+            params["json_schema"] = in_required_order(params["json_schema"])
         params["prompt"] = prompt
         request = dict(params, remember=self.worker.embedder is not None)
         if wants_prior(params):  # what this table's earlier rows taught block length auto
