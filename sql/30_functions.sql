@@ -125,7 +125,7 @@ $$;
 COMMENT ON FUNCTION @extschema@.dflash_classify(text, text[], int, float8, int, float8, int, bigint, boolean,
                                                 boolean) IS
     'One of labels for the input text: the model is asked to classify the text with one of them, and its answer '
-    'is constrained to be exactly one (greedy: the label the target ranks first). Empty labels are 22023.';
+    'is constrained to be exactly one (greedy: chosen token by token, so of labels sharing a start the likelier start wins, not always the likeliest whole label). Empty labels are 22023.';
 
 CREATE FUNCTION @extschema@.dflash_generate_block(prompt text, block_size int DEFAULT NULL)
 RETURNS TABLE (draft_ids int[], draft_text text, accepted int, accepted_text text,

@@ -28,15 +28,22 @@ def prompts_file(tmp_path, lines=LINES):
     return path
 
 
-def test_valid_answers_parse_and_validate():
+def test_valid_answers_parse_and_validate(tiny_text_engine):
     schema = LINES[0]["json_schema"]
     assert valid_answer('{"urgent": true, "team": "billing"}', {"json_schema": schema})
     assert not valid_answer('{"urgent": "yes", "team": "billing"}', {"json_schema": schema})
     assert not valid_answer('{"urgent": true, "team": "bill', {"json_schema": schema})  # cut short
-    assert valid_answer("2026-12-06", {"regex": LINES[1]["regex"]})
-    assert not valid_answer("2026-12-06 ", {"regex": LINES[1]["regex"]})  # the whole text
+    assert valid_answer('{\n  "urgent": true,\n  "team": "billing"\n}', {"json_schema": schema})  # llama.cpp's
+    date = {"regex": LINES[1]["regex"]}
+    assert valid_answer("2026-12-06", date, tiny_text_engine)
+    assert not valid_answer("2026-12-06 ", date, tiny_text_engine)  # the whole text
+    assert not valid_answer("2026-12-0", date, tiny_text_engine)  # cut short
+    # the grammar library's regex syntax (Rust's), which Python's re does not read
+    assert valid_answer("Ada", {"regex": r"\p{Lu}[a-z]+"}, tiny_text_engine)
+    assert not valid_answer("ada", {"regex": r"\p{Lu}[a-z]+"}, tiny_text_engine)
+    assert valid_answer("abc", {"regex": "[[:alpha:]]+"}, tiny_text_engine)
     assert valid_answer("other", {"choices": ["billing", "other"]}) and not valid_answer("Other", {"choices": ["other"]})
-    assert count_valid(["x", "other"], [{}, {"choices": ["other"]}]) == 1
+    assert count_valid(["x", "other", "2026-12-06"], [{}, {"choices": ["other"]}, date], tiny_text_engine) == 2
     assert count_valid(["x"], [{}]) is None
 
 
@@ -73,6 +80,9 @@ def test_a_bad_constraint_in_a_prompts_file_names_its_line(tmp_path):
     with pytest.raises(DFlashError) as err:
         load_prompt_items(path)
     assert err.value.code == "bad_prompts" and ":2:" in err.value.message and "unclosed" in err.value.message
+    # a constraint given as null is none (it would otherwise reach the count of valid answers)
+    path = prompts_file(tmp_path, [{"prompt": "a", "json_schema": None}, {"prompt": "b", "choices": None}])
+    assert load_prompt_items(path) == [{"prompt": "a"}, {"prompt": "b"}]
 
 
 def test_the_extraction_suite_carries_its_constraints():

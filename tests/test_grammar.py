@@ -87,6 +87,8 @@ def enc(tok, text):
     ({"json_schema": {"type": "array", "uniqueItems": True}}, "unsupported_schema", "uniqueItems"),
     ({"json_schema": {"type": "string", "format": "colour"}}, "unsupported_schema", "colour"),
     ({"json_schema": {"$ref": "https://example.org/s.json"}}, "unsupported_schema", "example.org"),
+    ({"json_schema": {"type": "object", "maxProperties": 2, "properties": {"a": {}}}}, "unsupported_schema",
+     "maxProperties"),
     ({"json_schema": {"type": "object", "x-guidance": {"lenient": True}}}, "unsupported_schema", "x-guidance"),
     ({"regex": "(ab"}, "bad_regex", "unclosed group"),
     ({"regex": "(?=x)y"}, "bad_regex", "look-around"),

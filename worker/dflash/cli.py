@@ -49,7 +49,9 @@ def add_generate_args(p: argparse.ArgumentParser, required: bool = True) -> None
     from dflash.options import GENERATION_OPTIONS
 
     for o in GENERATION_OPTIONS:  # every generation option, with its default and meaning (dflash.options)
-        kw = {"help": f"{o.doc} ({o.bounds})"}
+        # null is how a request leaves an option out; on the command line, leaving the flag out is
+        bounds = o.bounds.removesuffix(", or null").removesuffix(" or null") if o.nullable else o.bounds
+        kw = {"help": f"{o.doc} ({bounds})"}
         if o.types == (bool,):
             kw.update(action=argparse.BooleanOptionalAction, default=o.default)
         elif o.types[0] is list:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import re
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
@@ -262,9 +261,12 @@ class Runner:
         return Sample(output, wall, accepted, drafted)
 
 
-def valid_answer(text: str, constraint: dict) -> bool:
+def valid_answer(text: str, constraint: dict, engine=None) -> bool:
     """Whether an output is what its constraint asks for: JSON that validates against the
-    schema, the whole text matching the regex, or one of the choices."""
+    schema (however it is spaced: llama.cpp's answers may be pretty-printed), the whole text
+    matching the regex, or one of the choices. A regex is the grammar library's (Rust's
+    syntax: `\\p{Lu}`, `[[:alpha:]]`), so it is matched by that library over the text's
+    tokens on `engine` (its tokenizer), not by Python's `re`."""
     if "json_schema" in constraint:
         try:
             import jsonschema
@@ -277,14 +279,19 @@ def valid_answer(text: str, constraint: dict) -> bool:
             return False
         return True
     if "regex" in constraint:
-        return re.fullmatch(constraint["regex"], text) is not None
+        from dflash.engine.grammar import Matcher, Vocabulary, parse_constraint, takes_whole
+
+        vocabulary = Vocabulary.of(engine.tokenizer, engine.target.vocab_size, engine.target.eos_ids)
+        matcher = Matcher.start(parse_constraint(regex=constraint["regex"]), vocabulary)
+        return takes_whole(matcher, engine.tokenizer(text, add_special_tokens=False)["input_ids"])
     return text in constraint["choices"]
 
 
-def count_valid(texts: list[str], constraints: list[dict]) -> int | None:
-    """Outputs of the constrained prompts that are valid; None where no prompt has a constraint."""
+def count_valid(texts: list[str], constraints: list[dict], engine=None) -> int | None:
+    """Outputs of the constrained prompts that are valid (`valid_answer`; `engine` checks the
+    regexes); None where no prompt has a constraint."""
     pairs = [(t, c) for t, c in zip(texts, constraints) if c]
-    return sum(valid_answer(t, c) for t, c in pairs) if pairs else None
+    return sum(valid_answer(t, c, engine) for t, c in pairs) if pairs else None
 
 
 def summarize(suite: str, method: str, samples: list[Sample], block: int | None, max_block: int,
@@ -430,7 +437,7 @@ def run_bench(engine: Engine, suites: list[str], methods: list[str], limit: int 
             engine.workloads.workloads.pop(key, None)
         outputs = {m: [s.output_ids for s in samples[m]] for m in methods}
         for method in methods:
-            valid = count_valid([engine.decode(o) for o in outputs[method]], constraints)
+            valid = count_valid([engine.decode(o) for o in outputs[method]], constraints, engine)
             results.append(summarize(suite, method, samples[method], block_size_of(method), engine.block_size, valid))
         # Greedy output is checked against plain decoding on the same backend (a quantized
         # backend is another numeric path); its agreement with the fp32 reference is reported.

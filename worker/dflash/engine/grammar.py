@@ -84,7 +84,8 @@ CACHE_SIZE = 128
 
 # LLGuidance's messages for a schema it cannot take though the schema may be valid JSON
 # Schema (a keyword or format it does not implement, a reference it will not fetch).
-_UNSUPPORTED = ("Unimplemented keys", "Unknown format", "is not present in a registry", "not supported")
+_UNSUPPORTED = ("Unimplemented keys", "Unknown format", "is not present in a registry", "not supported",
+                "only supported when")
 
 
 @dataclass(frozen=True)
@@ -401,6 +402,17 @@ class Matcher:
     def is_done(self) -> bool:
         """Whether nothing but the end of sequence may come (or it came)."""
         return self.ended or self._m.is_stopped()
+
+
+def takes_whole(matcher: Matcher, ids) -> bool:
+    """Whether token ids spell an answer the grammar takes whole from the matcher's state
+    (it reads bytes, so any tokenization of the same text does): how the bench checks an
+    answer against a regex in the grammar library's own syntax. Advances the matcher."""
+    ids = [int(t) for t in ids]
+    if allowed_prefix(matcher, ids) < len(ids):
+        return False
+    matcher.advance(ids)
+    return matcher.accepts_eos()
 
 
 def allowed_prefix(matcher: Matcher, draft) -> int:

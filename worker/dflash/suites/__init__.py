@@ -44,7 +44,8 @@ def load_prompt_items(path: str | Path) -> list[dict]:
             raise DFlashError("bad_prompts", f"{path}:{n}: not JSON: {exc}") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
             raise DFlashError("bad_prompts", f'{path}:{n}: each line must be an object {{"prompt": "non-empty text"}}')
-        item = {"prompt": obj["prompt"], **{k: obj[k] for k in CONSTRAINTS if k in obj}}
+        # a constraint given as null is no constraint (as in a request)
+        item = {"prompt": obj["prompt"], **{k: obj[k] for k in CONSTRAINTS if obj.get(k) is not None}}
         if len(item) > 1:
             from dflash.engine.grammar import parse_constraint  # LLGuidance loads only for a constrained suite
 
