@@ -21,6 +21,7 @@ fails a request fails it with `endpoint_unavailable` or `endpoint_error`, raised
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -219,8 +220,14 @@ class RemoteEngine(RequestChecks):
         body = self.dialect.body(prompt_ids, opts)
         text_body = None
         if self.dialect.text_fallback:  # the same prompt as text, special tokens and all
-            text_body = self.dialect.body(prompt_ids, opts, self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
-            body, text_body = (text_body, None) if self.prompt_as_text else (body, text_body)
+            text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+            if self.text_keeps_turns(prompt_ids, text):
+                text_body = self.dialect.body(prompt_ids, opts, text)
+                body, text_body = (text_body, None) if self.prompt_as_text else (body, text_body)
+            elif self.prompt_as_text:
+                raise DFlashError("bad_prompt", "the prompt's text spells the target's special tokens (its chat "
+                                  "template's markup), and this endpoint takes no token ids: sent as text they "
+                                  "would become that markup, so it is not sent (leave the markup out of the prompt)")
         state = RemoteState(prompt_ids, params, req.max_new_tokens, frozenset(req.stop_ids))
         with self.arrived:
             for other in self.live.values():  # their /metrics deltas will hold each other's counts
@@ -229,6 +236,21 @@ class RemoteEngine(RequestChecks):
         state.stream = Stream(self.client, self.dialect.path, body, self.dialect.parse, self.arrived,
                               fallback=text_body, counters=self.dialect.metrics)
         return state
+
+    def text_keeps_turns(self, ids: list[int], text: str) -> bool:
+        """Whether `text` (the prompt's ids decoded) reads back as the same added tokens: a
+        server that takes the prompt as text parses the tokens its tokenizer adds (the chat
+        template's markup) out of it, so text in a prompt that spells them (kept as plain text
+        in `ids`: dflash.chat) would become turns of its own. The server's tokenizer is this
+        one (checked at start-up)."""
+        added = self._added_ids
+        again = self.tokenizer(text, add_special_tokens=False).input_ids
+        return [t for t in again if t in added] == [t for t in ids if t in added]
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset:
+        return frozenset(getattr(self.tokenizer, "added_tokens_decoder", {}) or ()) | frozenset(
+            self.tokenizer.all_special_ids)
 
     def step(self, states: list[RemoteState], budget: int | None = None) -> list[StepResult]:
         """What has arrived for each state, as one step's results (waiting up to WAIT_S
