@@ -362,15 +362,15 @@ def test_the_cli_reads_a_schema_file_or_text(tmp_path):
             p.parse_args(["generate", "--prompt", "x", "--json-schema", bad])
 
 
-def test_the_cli_exits_3_on_a_cut_answer(smol_dir, capsys):
+def test_the_cli_exits_4_on_a_cut_answer(smol_dir, capsys):
     """A constrained answer max_new_tokens cut short is printed, but the command does not
     succeed: a script must not take it for a valid answer."""
     import dflash.cli as cli
 
     schema = json.dumps(TICKET)
-    assert cli.main(["generate", "--prompt", "x", "--json-schema", schema, "--max-new-tokens", "2", "--json"]) == 3
+    assert cli.main(["generate", "--prompt", "x", "--json-schema", schema, "--max-new-tokens", "2", "--json"]) == 4
     assert json.loads(capsys.readouterr().out)["truncated"] is True
-    assert cli.main(["generate", "--prompt", "x", "--json-schema", schema, "--max-new-tokens", "2"]) == 3
+    assert cli.main(["generate", "--prompt", "x", "--json-schema", schema, "--max-new-tokens", "2"]) == 4
     assert "[truncated:" in capsys.readouterr().err
     assert cli.main(["generate", "--prompt", "x", "--choice", "yes", "--choice", "no", "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out.strip() in ("yes", "no")

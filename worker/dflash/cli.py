@@ -12,7 +12,8 @@ from dflash.loading import RANDOM_DRAFTER_WARNING, add_backend_args, add_model_a
 from dflash.loading import engine_from_args, target_arg
 
 EXIT_ERROR = 2  # bad input or a failed command: one line `dflash: error: ...`
-EXIT_TRUNCATED = 3  # `generate`: a constrained answer cut short of its form (printed, not valid)
+EXIT_WORKER_ERROR = 3  # `client`: the worker answered with an error
+EXIT_TRUNCATED = 4  # `generate`: a constrained answer cut short of its form (printed, not valid)
 
 
 def _ids(text: str) -> list[int]:
@@ -344,7 +345,7 @@ def cmd_client(args) -> int:
             result = client.call(op, params, timeout_ms=args.timeout_ms)
     except WorkerError as exc:
         print(f"dflash: error: [{exc.code}] {exc.message}", file=sys.stderr)
-        return 3
+        return EXIT_WORKER_ERROR
     if args.json or op not in ("generate",):
         print(json.dumps(result))
     else:
