@@ -82,6 +82,20 @@ BAD_INPUT = [
 ]
 
 
+def test_a_drafter_for_another_target_is_refused_before_any_model_loads(smol_dir, monkeypatch, capsys, tmp_path):
+    """incompatible_drafter from the two config files, naming the drafter and the target."""
+    from dflash import cli
+    from dflash.engine.drafter import init_random_drafter, save_drafter
+    from tests.conftest import tiny_drafter_config
+
+    other = tmp_path / "other-drafter"
+    save_drafter(init_random_drafter(tiny_drafter_config()), other)
+    monkeypatch.setattr(cli, "engine_from_args", lambda _args: pytest.fail("a bad request loaded the models"))
+    assert cli.main(["generate", "--prompt", "x", "--drafter", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "does not match the target's 576" in err and str(other) in err and smol_dir.name in err, err
+
+
 @pytest.mark.parametrize("args, words", BAD_INPUT)
 def test_bad_input_is_one_clean_line_before_any_model_loads(smol_dir, monkeypatch, capsys, args, words):
     """In this process (the command's own `main`), with loading the models made to fail: each

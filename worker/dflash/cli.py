@@ -111,6 +111,14 @@ def check_before_loading(args, req) -> None:
                                                       ("vocab_size", "vocab_size"))})
     except (OSError, ValueError, TypeError, AttributeError):
         return  # not a folder these checks can read: the loader says what is wrong with it
+    if drafter is not None and (Path(drafter) / "config.json").is_file() and all(
+            isinstance(cfg.get(k), int) for k in ("hidden_size", "vocab_size", "num_hidden_layers")):
+        # a drafter made for another target is refused now, not after the target's load
+        from dflash.engine.drafters import check_compatible
+
+        shape = SimpleNamespace(hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"],
+                                num_layers=cfg["num_hidden_layers"], name=Path(target_dir).name)
+        check_compatible(shape, DrafterConfig.from_file(Path(drafter) / "config.json"), str(drafter))
     checks = RequestChecks()
     checks.target = limits
     checks.tokenizer = "not loaded"  # stop strings are checked as strings here; the tokenizer's part is the engine's

@@ -28,30 +28,26 @@ class NoDrafter:
 NO_DRAFTER = NoDrafter()
 
 
-def check_compatible(target: Target, cfg: DrafterConfig) -> None:
-    """A drafter must match the target it shares embeddings, head and features with."""
-    if cfg.hidden_size != target.hidden_size:
-        raise DFlashError(
-            "incompatible_drafter",
-            f"drafter hidden size {cfg.hidden_size} does not match the target's {target.hidden_size}",
-        )
-    if cfg.vocab_size != target.vocab_size:
-        raise DFlashError(
-            "incompatible_drafter",
-            f"drafter vocabulary {cfg.vocab_size} does not match the target's {target.vocab_size}",
-        )
-    if not 0 <= cfg.mask_token_id < target.vocab_size:
-        raise DFlashError("incompatible_drafter", f"mask token id {cfg.mask_token_id} is outside the target vocabulary")
-    if cfg.num_target_layers != target.num_layers:
-        raise DFlashError(
-            "incompatible_drafter",
-            f"drafter was trained for a {cfg.num_target_layers}-layer target; this target has {target.num_layers}",
-        )
-    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
-    if bad:
-        raise DFlashError(
-            "incompatible_drafter", f"target_layer_ids {bad} are outside the target's {target.num_layers} layers"
-        )
+def check_compatible(target: Target, cfg: DrafterConfig, drafter: str | None = None) -> None:
+    """A drafter must match the target it shares embeddings, head and features with.
+    `drafter`: its file or folder, named in the refusal beside the target."""
+    problems = (
+        (cfg.hidden_size != target.hidden_size,
+         f"drafter hidden size {cfg.hidden_size} does not match the target's {target.hidden_size}"),
+        (cfg.vocab_size != target.vocab_size,
+         f"drafter vocabulary {cfg.vocab_size} does not match the target's {target.vocab_size}"),
+        (not 0 <= cfg.mask_token_id < target.vocab_size,
+         f"mask token id {cfg.mask_token_id} is outside the target vocabulary"),
+        (cfg.num_target_layers != target.num_layers,
+         f"drafter was trained for a {cfg.num_target_layers}-layer target; this target has {target.num_layers}"),
+        (any(not 0 <= i < target.num_layers for i in cfg.target_layer_ids),
+         f"target_layer_ids {[i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]} are outside "
+         f"the target's {target.num_layers} layers"),
+    )
+    for bad, why in problems:
+        if bad:
+            where = f" (drafter {drafter}, target {getattr(target, 'name', None) or 'given'})" if drafter else ""
+            raise DFlashError("incompatible_drafter", why + where)
 
 
 def check_draft_vocab(vocab, vocab_size: int) -> torch.Tensor | None:
@@ -69,7 +65,7 @@ def dflash_proposer(target: Target, drafter, name: str, sha256: str | None, draf
                     draft_runtime: str | None, cost_dir: Path | None, cfg: SpeculativeConfig) -> DFlashProposer:
     """The drafter as a proposer, checked against the target, in the precision and runtime
     asked for (auto: measured fastest here, dflash.engine.draft_runtime)."""
-    check_compatible(target, drafter.config)
+    check_compatible(target, drafter.config, name)
     vocab = check_draft_vocab(draft_vocab, target.vocab_size)
     dtype = resolve_draft_dtype(draft_dtype, target)
     runtimes = [r for d, r in draft_candidates(target) if d == dtype] or ["torch"]

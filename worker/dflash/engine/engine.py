@@ -139,7 +139,7 @@ class Engine(RequestChecks):
         taught block length auto is forgotten (it was the old drafter's acceptance)."""
         if self.dflash is None:
             raise DFlashError("bad_drafter", "this engine runs without a drafter: there is none to replace")
-        check_compatible(self.target, drafter.config)
+        check_compatible(self.target, drafter.config, name)
         before = {"drafter": self.drafter_name, "drafter_version": self.drafter_version}
         same_shape = same_geometry(drafter.config, self.drafter.config)
         self.dflash.install(drafter, name, sha256)

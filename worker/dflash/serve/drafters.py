@@ -49,7 +49,7 @@ class DrafterReloader:
             raise
         except Exception as exc:  # a half-written or foreign folder: refuse it, keep serving
             raise DFlashError("bad_drafter", f"cannot load a drafter from {folder}: {type(exc).__name__}: {exc}")
-        check_compatible(target, model.config)
+        check_compatible(target, model.config, str(folder))
         if sha256 is not None and digest != sha256:
             raise DFlashError("bad_drafter", f"the drafter in {folder} has digest {digest}, not the expected {sha256}")
         return {"model": model, "sha256": digest, "path": folder, "name": folder.name}
