@@ -21,8 +21,9 @@ drafter's draft vocabulary (the default target) or of the training answers (anot
 target); their output embeddings, frozen, are the target's. About 6 minutes for the
 features of 1,500 records and 4 for three epochs on a 2-core CPU (SmolLM2).
 
-The backends: the default target's head is for `ort,ort-q4_1`; another target's for `hf`
-unless named. The `llamacpp` backend cannot feed a head (it gives no last-layer output).
+The backends: the default target's head is for `ort,ort-q4_1`; another target's for `ort` on
+a CPU with ONNX Runtime (the backend a worker serves it on there), else `hf`, unless named.
+The `llamacpp` backend cannot feed a head (it gives no last-layer output).
 """
 
 from __future__ import annotations
@@ -125,9 +126,16 @@ def train(target, folder: Path, records: list[dict], heldout: list[dict], vocab:
 
 
 # The default target's head reads the ort graph's last feature output (the ort-q4_1 graph is
-# the same with other weights); another target's, the backend every target runs on.
+# the same with other weights); another target's, the backend a CPU worker serves it on
+# (`auto` and many callers choose ort; llama.cpp cannot feed a head), else hf, which every
+# target runs on (a GPU).
 DEFAULT_BACKENDS = "ort,ort-q4_1"
-OTHER_TARGET_BACKENDS = "hf"
+
+
+def other_target_backends() -> str:
+    from dflash.engine.target import ort
+
+    return "ort" if ort.available() and not torch.cuda.is_available() else "hf"
 
 
 def training_answers(args, target, files) -> tuple[list[dict], str]:
@@ -173,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends",
                    help="the backends the head is for, comma-separated: the features come from the first; the "
                         f"others must give the same last feature (default: {DEFAULT_BACKENDS} for the default "
-                        f"target, whose ort-q4_1 is the ort graph with other weights; {OTHER_TARGET_BACKENDS} for "
-                        "another)")
+                        "target, whose ort-q4_1 is the ort graph with other weights; for another, ort on a CPU "
+                        "where ONNX Runtime is installed, else hf)")
     p.add_argument("--answers", help="a JSONL of the target's answers (prompt, prompt_ids, response_ids) instead of "
                    "the shipped corpus")
     p.add_argument("--prompts", type=int, help="the target answers this many offline prompts first (into OUT/answers)")
@@ -186,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         files = resolve_target(args.target, quiet=True)
         default = files.folder.resolve() == default_target_dir().resolve()
-        backends = [b for b in (args.backends or (DEFAULT_BACKENDS if default else OTHER_TARGET_BACKENDS)).split(",")
+        backends = [b for b in (args.backends or (DEFAULT_BACKENDS if default else other_target_backends())).split(",")
                     if b]
         target = load_target(files.folder, backends[0], gguf=files.gguf)
         args.out = args.out or str(heads_dir(target.name) / "+".join(backends))
