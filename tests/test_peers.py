@@ -86,15 +86,48 @@ def test_llamacpp_spec_drafts_with_a_smaller_model_of_the_same_tokenizer(tmp_pat
         if n != "smaller-still":
             _gguf(model_files.model_gguf(n), tokens, rows)
     big = model_files.model_gguf("big")
-    spec = llamacpp.spec_setting(big, threads=2)
+    spec, ngram = llamacpp.spec_settings(big, threads=2)  # both: the run's first prompt chooses
     assert spec.draft == model_files.model_gguf("small")
     assert spec.args[:2] == ("-md", str(spec.draft)) and "draft-simple" in spec.args
     assert "small.gguf" in spec.setting and "--spec-draft-threads" in spec.args
+    assert ngram.draft is None and ngram.args == llamacpp.NGRAM_ARGS and "n-gram" in ngram.setting
     _gguf(model_files.model_gguf("smaller-still"), *names["smaller-still"])
-    assert llamacpp.spec_setting(big, threads=2).draft == model_files.model_gguf("smaller-still")
-    # the smallest has no smaller model with its tokenizer: n-gram drafting
-    spec = llamacpp.spec_setting(model_files.model_gguf("tiny-other"), threads=2)
+    assert llamacpp.spec_settings(big, threads=2)[0].draft == model_files.model_gguf("smaller-still")
+    # the smallest has no smaller model with its tokenizer: n-gram drafting only
+    (spec,) = llamacpp.spec_settings(model_files.model_gguf("tiny-other"), threads=2)
     assert spec.draft is None and spec.args == llamacpp.NGRAM_ARGS and "n-gram" in spec.setting
+
+
+def test_llamacpp_spec_keeps_the_faster_setting_on_the_first_prompt(monkeypatch):
+    """Each setting's server runs the first prompt; the faster is kept, the other closed, its
+    completion is the answer, and the setting is named with both times."""
+    closed = []
+
+    class Server:
+        def __init__(self, target, threads, spec, log=None):
+            self.spec, self.runs = spec, 0
+
+        def complete(self, prompt_ids, max_new, constraint=None):
+            self.runs += 1
+            return llamacpp.Completion([1, 2], 2.0 if self.spec.draft else 1.0, [], 0, {})
+
+        def close(self):
+            closed.append(self.spec.setting)
+
+    draft = Path("/m/small.gguf")
+    settings = [llamacpp.Speculation(("-md", str(draft)), "draft model small.gguf", draft),
+                llamacpp.Speculation(llamacpp.NGRAM_ARGS, "n-gram drafting")]
+    monkeypatch.setattr(llamacpp, "LlamaServer", Server)
+    monkeypatch.setattr(llamacpp, "spec_settings", lambda target, threads: settings)
+    monkeypatch.setattr(llamacpp, "target_gguf", lambda folder, fmt, gguf: Path("/m/big.gguf"))
+    monkeypatch.setattr(llamacpp, "read_gguf_header", lambda path: type("H", (), {"weights": "Q4_K_M"})())
+    peer = llamacpp.LlamaCppPeer(Path("/m/big"), None, 2, 16, Path("/m/big.gguf"))
+    first = peer.run("llamacpp-spec-gguf", [5, 6], 8)
+    assert first.wall_s == 1.0 and closed == ["draft model small.gguf"]
+    said = peer.describe("llamacpp-spec-gguf")["speculative"]
+    assert said.startswith("n-gram drafting (the faster on the first prompt: 1.00 s; draft model small.gguf: 2.00 s")
+    peer.run("llamacpp-spec-gguf", [7], 8)
+    assert peer.servers["llamacpp-spec-gguf"].runs == 2 and peer.servers["llamacpp-spec-gguf"].spec is settings[1]
 
 
 def test_the_gguf_header_as_the_gguf_library_reads_it(tmp_path):

@@ -11,9 +11,10 @@ llama-cpp-python (its vendor/llama.cpp), once, into the model cache, and drive
 - `llamacpp-dflash`: the same target with our drafter converted by `dflash convert`
   (`--spec-type draft-dflash`, drafting block_size - 1 tokens, no confidence cut-off);
 - `llamacpp-spec`: the same target with llama.cpp's own speculative decoding, no drafter
-  of ours (`spec_setting`): a smaller named model with the same tokenizer, where one is
-  installed, as its draft model (`-md`, `--spec-type draft-simple`), else its n-gram
-  drafting (`--spec-default`: `ngram-mod`). The report names the setting.
+  of ours (`spec_settings`): a smaller named model with the same tokenizer, where one is
+  installed, as its draft model (`-md`, `--spec-type draft-simple`), and its n-gram
+  drafting (`--spec-default`: `ngram-mod`); where both can run, the faster on the run's
+  first prompt. The report names the setting and the times that chose it.
 
 A `-FMT` suffix picks the target's weight format: f32 (the default: the same weights
 our engine runs), f16, bf16, q8_0 (all by llama.cpp's converter), q4_1 (the GGUF the
@@ -338,16 +339,18 @@ def dflash_speculation(drafter: Path, draft_max: int, threads: int) -> Speculati
                        f"DFlash drafter {drafter.name}, {draft_max} drafts a step", drafter)
 
 
-def spec_setting(target: Path, threads: int) -> Speculation:
-    """llama.cpp's own speculative decoding for the target GGUF: a draft model where a smaller
-    one with its tokenizer is installed, else n-gram drafting (both with llama.cpp's defaults)."""
+def spec_settings(target: Path, threads: int) -> list[Speculation]:
+    """llama.cpp's own speculative settings for the target GGUF, each with llama.cpp's
+    defaults: a draft model where a smaller one with its tokenizer is installed, and n-gram
+    drafting. `llamacpp-spec` runs the one that is faster on the run's first prompt."""
+    out = []
     draft = draft_model_for(target)
     if draft is not None:
-        return Speculation(("-md", str(draft), *DRAFT_MODEL_ARGS, *_draft_threads(threads)),
-                           f"draft model {draft.name} ({' '.join(DRAFT_MODEL_ARGS)}; llama.cpp's default draft length)",
-                           draft)
-    return Speculation(NGRAM_ARGS, f"n-gram drafting ({' '.join(NGRAM_ARGS)}: ngram-mod, llama.cpp's default; no "
-                       "installed smaller model has this target's tokenizer)")
+        out.append(Speculation(("-md", str(draft), *DRAFT_MODEL_ARGS, *_draft_threads(threads)),
+                               f"draft model {draft.name} ({' '.join(DRAFT_MODEL_ARGS)}; llama.cpp's default draft "
+                               "length)", draft))
+    out.append(Speculation(NGRAM_ARGS, f"n-gram drafting ({' '.join(NGRAM_ARGS)}: ngram-mod, llama.cpp's default)"))
+    return out
 
 
 def _draft_threads(threads: int) -> tuple[str, ...]:
@@ -566,6 +569,7 @@ class LlamaCppPeer:
         self.target_dir, self.drafter, self.gguf = Path(target_dir), Path(drafter) if drafter else None, gguf
         self.threads, self.block_size = threads, block_size
         self.servers: dict[str, LlamaServer] = {}
+        self.trials: dict[str, list] = {}  # method -> [(setting, its server)] until the first prompt chooses
         self.files: dict[str, dict] = {}
         atexit.register(self.close)  # never leave a server behind, whatever ends the run
 
@@ -587,13 +591,18 @@ class LlamaCppPeer:
             if self.drafter is None:
                 raise DFlashError("bad_drafter", f"{DFLASH} drafts with a DFlash drafter: give --drafter")
             return dflash_speculation(drafter_gguf(self.drafter, target), self.block_size - 1, self.threads)
-        return spec_setting(target, self.threads) if base == SPEC else None
+        return spec_settings(target, self.threads)[0] if base == SPEC else None
 
     def _server(self, method: str) -> LlamaServer:
         if method not in self.servers:
             base, fmt = parse_method(method)
             target = target_gguf(self.target_dir, fmt, self.gguf)
             spec = self.speculation(base, target)
+            if base == SPEC and len(settings := spec_settings(target, self.threads)) > 1:
+                # each setting gets a server; the first prompt chooses (`_choose`)
+                self.trials[method] = [
+                    (s, LlamaServer(target, self.threads, s, log=home() / f"server-{method}-{n}.log"))
+                    for n, s in enumerate(settings)]
             ours = spec is not None and base == DFLASH
             weights = read_gguf_header(target).weights if fmt == AS_GIVEN else fmt.upper()
             self.files[method] = {"runtime": f"llama.cpp ({SDIST} {VERSION})", "target": target.name,
@@ -601,13 +610,38 @@ class LlamaCppPeer:
                                   "drafter": spec.draft.name if ours else None,
                                   "drafter_weights": "F32" if ours else None,
                                   "speculative": spec.setting if spec else None}
-            self.servers[method] = LlamaServer(target, self.threads, spec, log=home() / f"server-{method}.log")
+            self.servers[method] = (self.trials[method][0][1] if method in self.trials else
+                                    LlamaServer(target, self.threads, spec, log=home() / f"server-{method}.log"))
         return self.servers[method]
 
     def run(self, method: str, prompt_ids: list[int], max_new: int, constraint: dict | None = None) -> Completion:
-        return self._server(method).complete(prompt_ids, max_new, constraint)
+        server = self._server(method)
+        if method in self.trials:
+            return self._choose(method, prompt_ids, max_new, constraint)
+        return server.complete(prompt_ids, max_new, constraint)
+
+    def _choose(self, method: str, prompt_ids: list[int], max_new: int, constraint: dict | None) -> Completion:
+        """llama.cpp's best speculative setting here: each setting's server runs the first
+        prompt and the fastest is kept, its completion the method's answer to that prompt (not
+        run again: its server's prompt cache would then skip the prefill); the report names
+        it with the times."""
+        runs = [(server.complete(prompt_ids, max_new, constraint), spec, server)
+                for spec, server in self.trials.pop(method)]
+        done, best, server = min(runs, key=lambda r: r[0].wall_s)
+        for _, _, other in runs:
+            if other is not server:
+                other.close()
+        self.servers[method] = server
+        others = "; ".join(f"{spec.setting}: {c.wall_s:.2f} s" for c, spec, _ in runs if spec is not best)
+        self.files[method]["speculative"] = (f"{best.setting} (the faster on the first prompt: {done.wall_s:.2f} s; "
+                                             f"{others})")
+        return done
 
     def close(self) -> None:
+        for trial in self.trials.values():
+            for _, server in trial:
+                server.close()
+        self.trials.clear()
         for server in self.servers.values():
             server.close()
         self.servers.clear()
