@@ -65,6 +65,9 @@ def test_the_bench_constrains_each_prompt_and_counts_valid_outputs(tiny_text_eng
     auto = [c.strip() for c in next(ln for ln in lines if "| dflash-auto |" in ln).strip("|").split("|")]
     assert head[2:5] == ["prompts", "valid", "s / answer"] and len(auto) == len(head)
     assert auto[3] == "3" and float(auto[4]) == pytest.approx(rows["dflash-auto"]["wall_s"] / 4, abs=0.006)
+    # and which proposers it had, with what each drafted and had kept
+    forced = rows["dflash-auto"]["proposers"]["forced"]
+    assert f"| typed | dflash-auto | forced | {forced['steps']} | {forced['drafted']} | {forced['accepted']} |" in lines
 
 
 def test_methods_that_cannot_constrain_are_refused(tiny_text_engine, tmp_path):

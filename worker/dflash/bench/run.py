@@ -524,8 +524,23 @@ def markdown(report: dict) -> str:
     agree = [f"{r['suite']} {r['fp32_agreement']:.0%}" for r in report["results"] if "fp32_agreement" in r]
     if agree:
         rows.append(f"\nPlain greedy output on this backend equal to the fp32 reference's, by prompt: {', '.join(agree)}.")
-    return (head + "\n".join(rows) + "\n" + peer_notes(report.get("peers")) + position_table(report["results"])
-            + verify_length_table(report["results"]) + ceiling_table(report["results"]))
+    return (head + "\n".join(rows) + "\n" + peer_notes(report.get("peers")) + proposer_table(report["results"])
+            + position_table(report["results"]) + verify_length_table(report["results"])
+            + ceiling_table(report["results"]))
+
+
+def proposer_table(results: list[dict]) -> str:
+    """Which proposers each block-length-auto method had, and what each drafted and had kept
+    (every proposer the generations had, those that never drafted too)."""
+    rows = [r for r in results if r.get("proposers")]
+    if not rows:
+        return ""
+    out = ["", "Drafts by proposer (steps it drafted in, tokens drafted, tokens kept):", "",
+           "| suite | method | proposer | steps | drafted | kept |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        for name, c in r["proposers"].items():
+            out.append(f"| {r['suite']} | {r['method']} | {name} | {c['steps']} | {c['drafted']} | {c['accepted']} |")
+    return "\n".join(out) + "\n"
 
 
 def position_table(results: list[dict], positions: int = 4) -> str:
