@@ -125,7 +125,8 @@ def test_llamacpp_spec_keeps_the_faster_setting_on_the_first_prompt(monkeypatch)
     first = peer.run("llamacpp-spec-gguf", [5, 6], 8)
     assert first.wall_s == 1.0 and closed == ["draft model small.gguf"]
     said = peer.describe("llamacpp-spec-gguf")["speculative"]
-    assert said.startswith("n-gram drafting (the faster on the first prompt: 1.00 s; draft model small.gguf: 2.00 s")
+    assert said.startswith("n-gram drafting (the faster on the first prompt run, the warm-up in a bench: 1.00 s; "
+                           "draft model small.gguf: 2.00 s")
     peer.run("llamacpp-spec-gguf", [7], 8)
     assert peer.servers["llamacpp-spec-gguf"].runs == 2 and peer.servers["llamacpp-spec-gguf"].spec is settings[1]
 

@@ -13,8 +13,9 @@ llama-cpp-python (its vendor/llama.cpp), once, into the model cache, and drive
 - `llamacpp-spec`: the same target with llama.cpp's own speculative decoding, no drafter
   of ours (`spec_settings`): a smaller named model with the same tokenizer, where one is
   installed, as its draft model (`-md`, `--spec-type draft-simple`), and its n-gram
-  drafting (`--spec-default`: `ngram-mod`); where both can run, the faster on the run's
-  first prompt. The report names the setting and the times that chose it.
+  drafting (`--spec-default`: `ngram-mod`); where both can run, the faster on the first
+  prompt the method runs (in `dflash bench`, its untimed warm-up). The report names the
+  setting and the times that chose it.
 
 A `-FMT` suffix picks the target's weight format: f32 (the default: the same weights
 our engine runs), f16, bf16, q8_0 (all by llama.cpp's converter), q4_1 (the GGUF the
@@ -342,7 +343,7 @@ def dflash_speculation(drafter: Path, draft_max: int, threads: int) -> Speculati
 def spec_settings(target: Path, threads: int) -> list[Speculation]:
     """llama.cpp's own speculative settings for the target GGUF, each with llama.cpp's
     defaults: a draft model where a smaller one with its tokenizer is installed, and n-gram
-    drafting. `llamacpp-spec` runs the one that is faster on the run's first prompt."""
+    drafting. `llamacpp-spec` runs the one that is faster on the first prompt it runs."""
     out = []
     draft = draft_model_for(target)
     if draft is not None:
@@ -622,9 +623,9 @@ class LlamaCppPeer:
 
     def _choose(self, method: str, prompt_ids: list[int], max_new: int, constraint: dict | None) -> Completion:
         """llama.cpp's best speculative setting here: each setting's server runs the first
-        prompt and the fastest is kept, its completion the method's answer to that prompt (not
-        run again: its server's prompt cache would then skip the prefill); the report names
-        it with the times."""
+        prompt the method gets (`dflash bench`'s untimed warm-up) and the fastest is kept, its
+        completion the method's answer to that prompt (not run again: its server's prompt
+        cache would then skip the prefill); the report names it with the times."""
         runs = [(server.complete(prompt_ids, max_new, constraint), spec, server)
                 for spec, server in self.trials.pop(method)]
         done, best, server = min(runs, key=lambda r: r[0].wall_s)
@@ -633,8 +634,8 @@ class LlamaCppPeer:
                 other.close()
         self.servers[method] = server
         others = "; ".join(f"{spec.setting}: {c.wall_s:.2f} s" for c, spec, _ in runs if spec is not best)
-        self.files[method]["speculative"] = (f"{best.setting} (the faster on the first prompt: {done.wall_s:.2f} s; "
-                                             f"{others})")
+        self.files[method]["speculative"] = (f"{best.setting} (the faster on the first prompt run, the warm-up in "
+                                             f"a bench: {done.wall_s:.2f} s; {others})")
         return done
 
     def close(self) -> None:
