@@ -174,7 +174,7 @@ def test_a_next_token_head_for_qwen_coder(tmp_path):
     _need(QWEN_CODER_15B)
     out = tmp_path / "head"
     assert next_head.main(["--target", QWEN_CODER_15B, "--out", str(out), "--prompts", "3", "--max-new-tokens", "16",
-                           "--heldout", "1", "--epochs", "1", "--vocab", "256"]) == 0
+                           "--heldout", "1", "--epochs", "1", "--vocab", "256", "--backends", "hf"]) == 0
     config = json.loads((out / head_mod.CONFIG_FILE).read_text())
     assert config["target"] == QWEN_CODER_15B and config["backends"] == ["hf"] and config["layer"] == 27
     target = HFTarget.from_pretrained(resolve_target(QWEN_CODER_15B, quiet=True).folder)
