@@ -309,6 +309,14 @@ def test_a_workloads_next_prompt_reuses_its_shared_start_and_decodes_the_same(or
     finally:
         ort_engine.prefixes = kept
     assert ort_engine.prefixes.status()["bytes"] <= ort_engine.prefixes.cap_bytes
+    # a kept sequence holds its cached rows only (and the few a call past them writes), not
+    # the rows its buffers doubled to as it grew
+    from dflash.engine.target.ort import MIN_ROWS
+
+    t = ort_engine.target
+    row = 2 * t.num_layers * t.kv_heads * t.head_dim * 4
+    kept = list(ort_engine.prefixes.kept.values())
+    assert kept and all(t.kv_bytes(k.seq) == (k.seq.length + MIN_ROWS) * row for k in kept)
 
 
 def test_an_answer_the_grammar_ended_is_kept_for_the_workloads_next_prompt(ort_engine):

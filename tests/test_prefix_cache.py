@@ -25,7 +25,10 @@ class Target:
     copies_prefix = True
 
     def __init__(self, row_bytes: int = 10):
-        self.row_bytes, self.copies = row_bytes, []
+        self.row_bytes, self.copies, self.shrunk = row_bytes, [], []
+
+    def shrink(self, seq):
+        self.shrunk.append(seq.serial)
 
     def copy_prefix(self, src, dst, n):
         assert dst.length == 0 and n <= src.length
@@ -75,8 +78,13 @@ def test_the_cap_frees_the_least_recently_used_and_a_longer_run_replaces_its_sta
     longer, ok = _kept(cache, "w", [3] * 4 + [6] * 4)  # begins with s2's tokens: s2 goes
     assert ok and s2.freed and s4.freed and not longer.freed  # ... and s4 for room
     assert cache.size_bytes == 80 and cache.status()["sequences"] == 1
-    assert _kept(cache, "w", [3] * 4 + [6] * 2)[1] is False  # all of it is in `longer` already
-    assert _kept(cache, "w", [1, 2])[1] is False  # too short to be worth keeping
+    covered = _kept(cache, "w", [3] * 4 + [6] * 2)
+    assert covered[1] is False  # all of it is in `longer` already
+    short = _kept(cache, "w", [1, 2])
+    assert short[1] is False  # too short to be worth keeping
+    # what is kept gives back its spare rows first; what is declined is left to its caller
+    assert longer.serial in t.shrunk and s4.serial in t.shrunk
+    assert covered[0].serial not in t.shrunk and short[0].serial not in t.shrunk
 
 
 def test_a_running_request_of_the_workload_is_copied_from_too():

@@ -20,9 +20,10 @@ start already.
   and so never reveal themselves to, another member's requests.
 - Not for a request the DFlash drafter runs in: it reads the target's features of every
   prompt row, which a copied row does not bring.
-- Bounded: all kept sequences together hold at most `cap_bytes` of K/V memory, the least
-  recently used freed first; a kept sequence whose tokens begin another kept one's is
-  dropped for it. `status` shows the entries, bytes, hits and tokens not prefilled.
+- Bounded: all kept sequences together hold at most `cap_bytes` of K/V memory (each only
+  its cached rows: `Target.shrink`), the least recently used freed first; a kept sequence
+  whose tokens begin another kept one's is dropped for it. `status` shows the entries,
+  bytes, hits and tokens not prefilled.
 """
 
 from __future__ import annotations
@@ -102,14 +103,15 @@ class PrefixCache:
         is not worth keeping (then the caller frees it). The cache owns a kept sequence."""
         if len(ids) < self.min_tokens:
             return False
-        nbytes = int(self.target.kv_bytes(seq))
-        if nbytes > self.cap_bytes:
-            return False
         mine = [(k, v) for k, v in self.kept.items() if v.workload == workload]
         for key, kept in mine:
             if len(kept.ids) >= len(ids) and kept.ids[:len(ids)] == ids:
                 self.kept.move_to_end(key)  # it holds all this one would
                 return False
+        self.target.shrink(seq)  # only copied from now on: its spare rows go back
+        nbytes = int(self.target.kv_bytes(seq))
+        if nbytes > self.cap_bytes:
+            return False
         for key, kept in mine:
             if kept.ids == ids[:len(kept.ids)]:
                 self._drop(key)  # what it holds, the new one holds too

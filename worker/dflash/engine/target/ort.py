@@ -201,6 +201,19 @@ class OrtTarget(BorrowedHead):
                 store[layer][:, :, :n] = source[layer][:, :, :n]
         dst.length = n
 
+    def shrink(self, seq: OrtSequence) -> None:
+        """Give back a kept sequence's spare K/V rows (reserved by doubling as it grew): the
+        prefix cache only copies its cached rows from here on, so it holds those alone (and
+        the few a call past them may write)."""
+        rows = seq.length + MIN_ROWS
+        if not seq.keys or rows >= seq.keys[0].shape[2]:
+            return
+        seq.binding, seq.buffers = None, []
+        seq.generation += 1
+        for store in (seq.keys, seq.values):
+            for layer in range(len(store)):
+                store[layer] = np.ascontiguousarray(store[layer][:, :, :rows])
+
     @staticmethod
     def kv_bytes(seq: OrtSequence) -> int:
         """The memory a sequence's K/V buffers hold."""

@@ -74,6 +74,7 @@ class Target(Protocol):
     # whether cached rows are exactly what prefilling the same tokens again would give (the
     # ort backend), so the prefix cache (dflash.engine.prefix_cache) may copy them: then
     #   copy_prefix(src, dst, n): a new sequence `dst` caches the first n tokens of `src`;
+    #   shrink(seq): a kept sequence gives back the memory its cached rows do not use;
     #   kv_bytes(seq): the memory a kept sequence holds.
     # A backend without it prefills every prompt whole.
     copies_prefix: bool
@@ -88,6 +89,8 @@ class Target(Protocol):
         """Forget cached positions >= length (rejected drafts)."""
 
     def copy_prefix(self, src: Sequence, dst: Sequence, n: int) -> None: ...
+
+    def shrink(self, seq: Sequence) -> None: ...
 
     def kv_bytes(self, seq: Sequence) -> int: ...
 
@@ -110,6 +113,9 @@ class TargetDefaults:
 
     def copy_prefix(self, src: Sequence, dst: Sequence, n: int) -> None:
         raise NotImplementedError(f"the {self.backend} backend does not copy cached prefixes")
+
+    def shrink(self, seq: Sequence) -> None:
+        """Nothing to give back: a backend that reserves no spare rows."""
 
     def kv_bytes(self, seq: Sequence) -> int:
         raise NotImplementedError(f"the {self.backend} backend does not report a sequence's memory")
