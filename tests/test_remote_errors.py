@@ -133,7 +133,7 @@ def test_a_good_answer_with_its_counts(fake, smol_dir):
     engine = remote_engine(f.url, smol_dir)
     res = generate(engine)
     assert res.output_ids == [1000, 1001, 1002, 1003] and res.text == " t0 t1 t2 t3"
-    assert res.finish_reason == "length"
+    assert res.finish_reason == "length" and engine.status()["tokenizer_checked"] is True
     body = f.bodies[0]  # the prompt as our tokenizer's chat-templated ids, the options passed through
     assert body["prompt"] == engine.prompt_ids(GenerationRequest(prompt="Write a haiku about databases"))
     assert body["temperature"] == 0 and body["top_k"] == 1 and body["samplers"] == ["top_k", "temperature", "top_p"]

@@ -62,6 +62,7 @@ def test_a_server_without_tokenize_is_served_unchecked_and_says_so(fake, smol_di
     with caplog.at_level(logging.WARNING, logger="dflash.remote"):
         engine = remote_engine(f.url, smol_dir)
     assert "has no /tokenize" in caplog.text
+    assert engine.status()["tokenizer_checked"] is False  # and status says so, for as long as it serves
     assert generate(engine, max_new_tokens=2).output_ids == [1000, 1001]
 
 

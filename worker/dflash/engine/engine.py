@@ -288,6 +288,9 @@ class Engine(RequestChecks):
             "target_backend_choice": self.target.selection,
             # each target backend's verdict on this machine (probed in a child: dflash doctor)
             "backends": (self.target.selection or {}).get("backends"),
+            # the remote backend's: whether the endpoint confirmed the tokenizer (null here: the
+            # engine tokenises for its own target)
+            "tokenizer_checked": None,
             "endpoint": self.endpoint,
             "model": self.target.name,
             "block_size": self.block_size,

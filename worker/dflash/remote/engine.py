@@ -155,8 +155,11 @@ class RemoteEngine(RequestChecks):
     block_size = None  # no drafter block of its own (generate_block is refused)
     cost_curve = _NoCostCurve()
 
-    def __init__(self, endpoint: Endpoint, dialect, tokenizer, target: RemoteTarget):
+    def __init__(self, endpoint: Endpoint, dialect, tokenizer, target: RemoteTarget, tokenizer_checked: bool = True):
         self.client = endpoint
+        # whether the endpoint's /tokenize confirmed that the ids sent are its model's (an
+        # endpoint without one is served unchecked: status says so, not only the start-up log)
+        self.tokenizer_checked = tokenizer_checked
         self.dialect = dialect
         self.tokenizer = tokenizer
         self.target = target
@@ -189,7 +192,7 @@ class RemoteEngine(RequestChecks):
                 "proposers": {}, "draft_vocab": None, "target_backend": self.target.backend,
                 "target_backend_choice": None, "backends": None, "endpoint": self.endpoint, "model": self.target.name,
                 "block_size": None, "cost_curve": None, "drafter_sha256": None, "workload_memory": None,
-                "prefix_cache": None}
+                "prefix_cache": None, "tokenizer_checked": self.tokenizer_checked}
 
     def knows_workload(self, key: str) -> bool:
         return True  # it drafts nothing from workloads: never ask a caller for their history
@@ -370,11 +373,11 @@ def remote_engine(url: str, tokenizer_dir: str | Path, model: str | None = None,
     if served_vocab is not None and len(tokenizer) > served_vocab:
         raise DFlashError("bad_target", f"the tokenizer in {tokenizer_dir} has {len(tokenizer)} tokens, more than the "
                           f"served model's {served_vocab}: pass --target with the served model's tokenizer")
-    check_tokenizer(endpoint, dialect, tokenizer, tokenizer_dir)
+    checked = check_tokenizer(endpoint, dialect, tokenizer, tokenizer_dir)
     context = dialect.context_length or _context_of(tokenizer, tokenizer_dir)
     backend = "openai" if dialect.kind == "openai" else f"openai/{dialect.kind}"
     target = RemoteTarget(dialect.model, int(context), served_vocab or len(tokenizer), backend)
-    return RemoteEngine(endpoint, dialect, tokenizer, target)
+    return RemoteEngine(endpoint, dialect, tokenizer, target, checked)
 
 
 def check_tokenizer(endpoint: Endpoint, dialect, tokenizer, source) -> bool:
