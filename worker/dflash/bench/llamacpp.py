@@ -587,20 +587,22 @@ class LlamaCppPeer:
     def describe(self, method: str) -> dict:
         return self.files[method]
 
-    def speculation(self, base: str, target: Path) -> Speculation | None:
+    def speculations(self, base: str, target: Path) -> list[Speculation]:
+        """How the method's server may draft: none (plain), ours, or llama.cpp's settings
+        (the first prompt chooses among several)."""
         if base == DFLASH:
             if self.drafter is None:
                 raise DFlashError("bad_drafter", f"{DFLASH} drafts with a DFlash drafter: give --drafter")
-            return dflash_speculation(drafter_gguf(self.drafter, target), self.block_size - 1, self.threads)
-        return spec_settings(target, self.threads)[0] if base == SPEC else None
+            return [dflash_speculation(drafter_gguf(self.drafter, target), self.block_size - 1, self.threads)]
+        return spec_settings(target, self.threads) if base == SPEC else []
 
     def _server(self, method: str) -> LlamaServer:
         if method not in self.servers:
             base, fmt = parse_method(method)
             target = target_gguf(self.target_dir, fmt, self.gguf)
-            spec = self.speculation(base, target)
-            if base == SPEC and len(settings := spec_settings(target, self.threads)) > 1:
-                # each setting gets a server; the first prompt chooses (`_choose`)
+            settings = self.speculations(base, target)
+            spec = settings[0] if settings else None
+            if len(settings) > 1:  # each setting gets a server; the first prompt chooses (`_choose`)
                 self.trials[method] = [
                     (s, LlamaServer(target, self.threads, s, log=home() / f"server-{method}-{n}.log"))
                     for n, s in enumerate(settings)]

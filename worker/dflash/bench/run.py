@@ -279,10 +279,9 @@ def valid_answer(text: str, constraint: dict, engine=None) -> bool:
             return False
         return True
     if "regex" in constraint:
-        from dflash.engine.grammar import Matcher, Vocabulary, parse_constraint, takes_whole
+        from dflash.engine.grammar import parse_constraint, takes_whole
 
-        vocabulary = Vocabulary.of(engine.tokenizer, engine.target.vocab_size, engine.target.eos_ids)
-        matcher = Matcher.start(parse_constraint(regex=constraint["regex"]), vocabulary)
+        matcher = engine.matcher(parse_constraint(regex=constraint["regex"]))
         return takes_whole(matcher, engine.tokenizer(text, add_special_tokens=False)["input_ids"])
     return text in constraint["choices"]
 

@@ -241,8 +241,10 @@ class Engine(RequestChecks):
         """The request's place in its grammar (dflash.engine.grammar.Matcher), or None
         without a constraint."""
         constraint = constraint_of(req)
-        if constraint is None:
-            return None
+        return None if constraint is None else self.matcher(constraint)
+
+    def matcher(self, constraint):
+        """A checked constraint's grammar at its start, on this target's vocabulary."""
         if self.tokenizer is None:
             raise DFlashError("unsupported_option", f"{constraint.kind} needs the target's tokenizer, and this "
                               "target has none")
