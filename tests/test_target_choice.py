@@ -32,6 +32,17 @@ def test_a_backend_that_verifies_cheaply_wins_when_drafts_are_cheap():
     assert fastest.remember(None, {"k": 2}, {"a": slow_prefill, "b": fast_prefill})["choice"] == "b"
 
 
+def test_a_length_timed_dearer_than_a_longer_one_takes_the_longer_ones_price():
+    from dflash.engine.costs import longer_never_cheaper
+
+    assert longer_never_cheaper({"2": 0.0144, "4": 0.0065}) == {"2": 0.0065, "4": 0.0065}
+    assert longer_never_cheaper({"1": 0.012, "2": 0.019, "4": 0.031, "8": 0.028}) == \
+        {"1": 0.012, "2": 0.019, "4": 0.028, "8": 0.028}
+    rising = {"1": 0.01, "2": 0.02, "4": 0.04}
+    assert longer_never_cheaper(rising) == rising and list(longer_never_cheaper({"4": 1.0, "2": 2.0})) == ["2", "4"]
+    assert longer_never_cheaper({}) == {}
+
+
 def test_a_serving_worker_weighs_a_step_of_several_callers():
     """A backend a little slower for a lone request but far cheaper for a step of
     BUSY_CALLERS sequences (ONNX Runtime against llama.cpp on Qwen2.5-Coder-1.5B) wins for

@@ -498,9 +498,9 @@ def spot_prices(engine, lengths=(1, 2, 4), repeats: int = REPEATS) -> dict:
 
     bench = _StepBench(engine, context=TYPICAL_CONTEXT)
     bench.verify(max(*lengths, BUSY_CALLERS)), bench.draft(max(lengths))  # warm up the largest shapes
-    verify = {str(L): bench.verify_s(L, repeats) for L in sorted({*lengths, BUSY_CALLERS})}
-    draft = {str(L): bench.drafted_s(L, repeats, verify[str(L)]) if bench.drafts else 0.0
-             for L in lengths if 1 < L <= engine.block_size}
+    verify = longer_never_cheaper({str(L): bench.verify_s(L, repeats) for L in sorted({*lengths, BUSY_CALLERS})})
+    draft = longer_never_cheaper({str(L): bench.drafted_s(L, repeats, verify[str(L)]) if bench.drafts else 0.0
+                                  for L in lengths if 1 < L <= engine.block_size})
     bench.close()
     target, ids = engine.target, probe_prompt(engine.target, PREFILL_TOKENS)
 
@@ -511,6 +511,18 @@ def spot_prices(engine, lengths=(1, 2, 4), repeats: int = REPEATS) -> dict:
 
     return {"verify": verify, "draft": draft,
             "prefill": {str(PREFILL_TOKENS): timed(prefill, target.device, max(2, repeats // 2))}}
+
+
+def longer_never_cheaper(prices: dict[str, float]) -> dict[str, float]:
+    """Prices by length (keys as strings) with no length dearer than a longer one: more rows
+    or a longer block never cost less, so a shorter length timed above a longer one met a slow
+    round (a draft of 2 was once timed at twice a draft of 4), and the longer one's price
+    bounds it."""
+    out, bound = {}, float("inf")
+    for L in sorted(prices, key=int, reverse=True):
+        bound = min(bound, prices[L])
+        out[L] = bound
+    return {L: out[L] for L in sorted(prices, key=int)}
 
 
 def is_stale(checks: dict) -> bool:

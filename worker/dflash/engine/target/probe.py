@@ -107,7 +107,12 @@ def _library_stamp() -> str | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     libs = sorted(Path(next(iter(spec.submodule_search_locations))).glob("lib/lib*.so*"))
-    return ";".join(f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in libs) or None
+    return ";".join(_stat_stamp(p.name, p.stat()) for p in libs) or None
+
+
+def _stat_stamp(label: str, st) -> str:
+    """A file's name or path with its size and time: what a verdict's key holds of a file."""
+    return f"{label}:{st.st_size}:{int(st.st_mtime)}"
 
 
 def file_stamp(path: str | Path | None) -> str | None:
@@ -121,7 +126,7 @@ def file_stamp(path: str | Path | None) -> str | None:
         st = path.stat()
     except OSError:
         return str(path.resolve())
-    return f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+    return _stat_stamp(str(path.resolve()), st)
 
 
 def key_of(backend: str, target_dir: str | Path, build: dict | None = None) -> dict:
