@@ -70,6 +70,43 @@ def test_only_a_q4_k_m_file_makes_it_a_candidate(smol_dir):
     assert "no GGUF" in target_builders(smol_dir)["ort-q4_k_m"].why_not
 
 
+def test_the_file_type_is_read_from_the_header_alone(tmp_path):
+    """`file_type` runs at every start with a GGUF target: its keys are read from the header
+    (a scan that stops at the last key wanted) as gguf's whole reader reads them, arrays of
+    strings and numbers skipped; a file the scan cannot read gets the reader's clean error."""
+    import gguf
+
+    from dflash.convert.gguf_file import field_value, open_gguf, scalar_keys
+    from dflash.errors import DFlashError
+
+    path = tmp_path / "keys.gguf"
+    w = gguf.GGUFWriter(path, "qwen2")
+    w.add_name("keys")
+    w.add_token_list(["<a>", "bé", "c" * 300])
+    w.add_array("test.floats", [0.5, 1.5])
+    w.add_uint32("qwen2.block_count", 3)
+    w.add_float32("test.eps", 1e-6)
+    w.add_file_type(15)
+    w.add_uint64("test.big", 2**40)
+    w.add_bool("test.flag", True)
+    w.add_tensor("t", np.zeros((2, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    keys = {"qwen2.block_count", "test.eps", "general.file_type", "test.big", "test.flag", "absent.key"}
+    reader = open_gguf(path)
+    assert scalar_keys(path, keys) == {k: field_value(reader, k) for k in keys if k != "absent.key"}
+    assert onnx_gguf.file_type(path) == "Q4_K_M"
+    path.write_bytes(path.read_bytes()[:40])  # cut inside the keys
+    with pytest.raises(DFlashError) as err:
+        onnx_gguf.file_type(path)
+    assert err.value.code == "bad_target" and str(path) in err.value.message
+    with pytest.raises(DFlashError) as err:
+        onnx_gguf.file_type(tmp_path / "none.gguf")
+    assert err.value.code == "bad_target" and "not found" in err.value.message
+
+
 # --- the installed Qwen2.5-Coder-0.5B (dflash models qwen2.5-coder-0.5b-instruct) ----------
 
 

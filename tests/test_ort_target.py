@@ -112,6 +112,18 @@ def test_the_build_names_the_backend_and_the_fewest_rows_a_call_runs(ort_target,
     assert (ort_target.backend, ort_target.min_rows) == (("ort-q4_1", 2) if q41 else ("ort", 1))
 
 
+def test_the_borrowed_embedding_and_head_are_read_at_their_first_use(onnx_file, smol_dir):
+    """A quantized backend reads the folder's embedding and head only when a drafter or a head
+    borrows them (a target served without one never holds them), and then as stored."""
+    from dflash.engine.target.hf_files import EMBED, read_tensors
+
+    target = ort.OrtTarget(onnx_file, smol_dir, threads=2, context=64)
+    assert "_weights" not in vars(target._side) and target.vocab_size == target._side.head_shape[0]
+    stored = read_tensors(smol_dir, (EMBED,))[EMBED]
+    assert torch.equal(target.head_weight(), stored) and "_weights" in vars(target._side)  # tied in SmolLM2
+    assert torch.equal(target.embed(torch.tensor([5, 9])), stored[[5, 9]])
+
+
 def test_the_cost_curve_key_names_the_build(ort_engine):
     from dflash.engine.costs import curve_key
 

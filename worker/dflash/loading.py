@@ -200,7 +200,6 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     from dflash.convert.onnx_target import INT4_BUILD, ensure_export, is_current
     from dflash.engine.dtypes import DTYPES
     from dflash.engine.target import llamacpp, ort, probe
-    from dflash.engine.target.hf import HFTarget
     from dflash.model_files import onnx_export_dir
 
     cpu32 = None if device == "cpu" and dtype == "float32" else f"it runs float32 on a CPU (asked: {dtype} on {device})"
@@ -213,6 +212,8 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     exported_int4 = is_current(Path(target_dir), export_int4, INT4_BUILD)
 
     def hf():
+        from dflash.engine.target.hf import HFTarget  # transformers' model code: seconds to import, when built
+
         return HFTarget.from_pretrained(target_dir, device=device, dtype=DTYPES[dtype])
 
     def gguf_target():
@@ -364,10 +365,11 @@ def load_draft_model(spec: str, device: str = "cpu", dtype: str = "float32"):
 def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | None, serving: bool = False):
     """The engine over the target backend that decodes fastest here with block length auto:
     per backend a plain step, verify blocks of 2 and 4 (with the drafter's features) and the
-    drafter's price for such blocks, weighed by the policy's default acceptance prior
-    (dflash.engine.target.fastest.expected_rate), and for a `serving` worker a step of several
+    drafter's price for such blocks; the backend of the least worst ratio to the best over a
+    worker's workloads (no drafts, paid drafts, free drafts at the policy's default acceptance
+    prior: dflash.engine.target.fastest.choose), for a `serving` worker with a step of several
     callers as well (fastest.choice_seconds); a candidate whose plain step alone rules it
-    out is passed over (fastest.cannot_win). Measured once per machine, thread count
+    out is passed over (fastest.ruled_out_above). Measured once per machine, thread count
     and versions, cached beside the cost curves; at a later start the chosen backend's plain
     step is timed again, and a choice whose step got STALE times slower is measured afresh."""
     import torch
@@ -378,7 +380,7 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
     from dflash.engine.target import fastest
 
     key = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "target": Path(target_dir).name,
-           "context": TYPICAL_CONTEXT,
+           "context": TYPICAL_CONTEXT, "chosen_by": fastest.WEIGHED,
            "candidates": sorted(builders), "versions": fastest.runtime_versions(), "dflash": __version__,
            "ort_build": onnx_target.BUILD, "ort_q4_1_build": onnx_q41.BUILD,
            # (only where it is a candidate: the choices cached for other targets stay valid)
@@ -393,7 +395,7 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
             return engine
         del engine
     measured, same, failed, passed_over = {}, {}, {}, {}
-    kept = {}  # the quickest engine so far, by name: kept, so the winner is not built a second time
+    kept = {}  # the chosen engine so far, by name: kept, so the winner is usually not built a second time
     acceptance = fastest.default_acceptance()
     # The reference last: on a CPU the likeliest to lose, so the one a plain step may rule out.
     for name in sorted(builders, key=lambda n: n == "hf"):
@@ -401,8 +403,7 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
             target = builders[name]()
             if measured:
                 plain = fastest.step_seconds(target, (), repeats=3)
-                best = min(fastest.choice_seconds(p, acceptance, serving) for p in measured.values())
-                if fastest.cannot_win(plain, best, acceptance, serving):
+                if plain > fastest.ruled_out_above(measured, acceptance, serving):
                     passed_over[name] = plain
                     del target
                     continue
@@ -412,15 +413,18 @@ def fastest_engine(builders: dict, engine_over, target_dir, cost_dir: Path | Non
             continue
         same = {"draft_dtype": engine.draft_dtype}  # as the first backend measured it
         measured[name] = spot_prices(engine)
-        if min(measured, key=lambda n: fastest.choice_seconds(measured[n], acceptance, serving)) == name:
-            kept = {name: engine}  # as fastest.remember will choose: the least choice_seconds, first of equals
+        if fastest.choose(measured, acceptance, serving) == name:
+            kept = {name: engine}  # as fastest.remember will choose
         del engine, target
     if not measured:  # none can run it (a drafter that fits no backend's target): the first one's reason
         raise next(iter(failed.values()))
     failed = {name: exc.message for name, exc in failed.items()}
     record = fastest.remember(cost_dir, key, measured, passed_over, serving)
     record["failed"] = failed
-    engine = kept.pop(record["choice"])
+    # A later candidate can change which earlier one has the least worst ratio (it sets a
+    # workload's best): then the chosen engine is built again.
+    engine = kept.pop(record["choice"]) if record["choice"] in kept else \
+        engine_over(builders[record["choice"]](), **same)
     engine.target.selection = {"backend": engine.target.backend, "how": "measured at start", **fastest.summary(record)}
     return engine
 

@@ -161,6 +161,60 @@ def open_gguf(path: Path, code: str = "bad_drafter") -> gguf.GGUFReader:
         raise DFlashError(code, f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
 
 
+_SCALARS = {gguf.GGUFValueType.UINT8: "<B", gguf.GGUFValueType.INT8: "<b", gguf.GGUFValueType.UINT16: "<H",
+            gguf.GGUFValueType.INT16: "<h", gguf.GGUFValueType.UINT32: "<I", gguf.GGUFValueType.INT32: "<i",
+            gguf.GGUFValueType.FLOAT32: "<f", gguf.GGUFValueType.BOOL: "<?", gguf.GGUFValueType.UINT64: "<Q",
+            gguf.GGUFValueType.INT64: "<q", gguf.GGUFValueType.FLOAT64: "<d"}
+
+
+def scalar_keys(path: Path, wanted: set[str], code: str = "bad_target") -> dict:
+    """The numeric values of the `wanted` keys of a little-endian GGUF file, read from its
+    header only, up to the last one found: GGUFReader parses every key first, and a
+    151,936-token vocabulary's arrays take it 14 s (the start of a worker on a Qwen GGUF)."""
+    import struct
+
+    found: dict = {}
+    try:
+        with open(path, "rb") as f:
+            def take(fmt):
+                size = struct.calcsize(fmt)
+                raw = f.read(size)
+                if len(raw) != size:
+                    raise EOFError
+                return struct.unpack(fmt, raw)[0]
+
+            def skip_string():
+                f.seek(take("<Q"), os.SEEK_CUR)
+
+            if take("<I") != gguf.GGUF_MAGIC or take("<I") not in (2, 3):
+                raise ValueError("not a little-endian GGUF file of version 2 or 3")
+            take("<Q")  # tensors
+            for _ in range(take("<Q")):
+                key = f.read(take("<Q")).decode("utf-8", "replace")
+                kind = gguf.GGUFValueType(take("<I"))
+                if kind == gguf.GGUFValueType.STRING:
+                    skip_string()
+                elif kind == gguf.GGUFValueType.ARRAY:
+                    item, count = gguf.GGUFValueType(take("<I")), take("<Q")
+                    if item == gguf.GGUFValueType.STRING:
+                        for _ in range(count):
+                            skip_string()
+                    elif item in _SCALARS:
+                        f.seek(count * struct.calcsize(_SCALARS[item]), os.SEEK_CUR)
+                    else:  # arrays of arrays: not in any file this reads; the whole reader copes
+                        raise ValueError(f"an array of {item.name} in key {key}")
+                else:
+                    value = take(_SCALARS[kind])
+                    if key in wanted:
+                        found[key] = value
+                        if len(found) == len(wanted):
+                            break
+    except (OSError, EOFError, ValueError, KeyError, struct.error):
+        reader = open_gguf(Path(path), code)  # the clean error, or a file this scan does not read
+        return {k: field_value(reader, k) for k in wanted if reader.fields.get(k) is not None}
+    return found
+
+
 def field_value(reader: gguf.GGUFReader, key: str, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()

@@ -51,9 +51,11 @@ PARTS = {"q_proj": ("attn_q",), "k_proj": ("attn_k",), "v_proj": ("attn_v",), "o
 
 def file_type(gguf: Path) -> str | None:
     """The file's llama.cpp file type name where it is one this build is for, else None."""
-    from dflash.convert.gguf_file import field_value, open_gguf
+    from dflash.convert.gguf_file import open_gguf, scalar_keys
 
-    return FILE_TYPES.get(field_value(open_gguf(Path(gguf), code="bad_target"), "general.file_type"))
+    if not Path(gguf).is_file():
+        open_gguf(Path(gguf), code="bad_target")  # its clean error
+    return FILE_TYPES.get(scalar_keys(Path(gguf), {"general.file_type"}).get("general.file_type"))
 
 
 def _key(hf_dir: Path, gguf: Path) -> dict:

@@ -156,9 +156,9 @@ class LlamaCppTarget(BorrowedHead):
         self._out = np.ctypeslib.as_array(b.logits, shape=(BATCH_TOKENS,))
         self._sid = [b.seq_id[i] for i in range(BATCH_TOKENS)]
 
-        self._embed, self._head = side.embed, side.head
-        if self._embed.shape != (self.vocab_size, self.hidden_size):
-            raise DFlashError("bad_target", f"{hf_dir}'s embedding {tuple(self._embed.shape)} does not fit {gguf}")
+        self._side = side
+        if tuple(side.embed_shape) != (self.vocab_size, self.hidden_size):
+            raise DFlashError("bad_target", f"{hf_dir}'s embedding {tuple(side.embed_shape)} does not fit {gguf}")
         self.tokenizer, self.eos_ids = side.tokenizer, side.eos_ids
         self.device = torch.device("cpu")
         self.dtype = torch.float32  # of what it returns (logits, features); the weights stay quantized

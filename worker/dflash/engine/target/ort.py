@@ -138,8 +138,8 @@ class OrtTarget(BorrowedHead):
         self.name = hf_dir.name
         self.threads = opts.intra_op_num_threads
         self.context_length = min(int(getattr(cfg, "max_position_embeddings", 2048)), context)
-        self._embed, self._head = side.embed, side.head
-        self.vocab_size = int(self._head.shape[0])
+        self._side = side
+        self.vocab_size = int(side.head_shape[0])
         self.tokenizer, self.eos_ids = side.tokenizer, side.eos_ids
         self.device = torch.device("cpu")
         self.dtype = torch.float32  # of what it returns (logits, features); the weights are int8
