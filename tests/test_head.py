@@ -298,6 +298,7 @@ def test_head_auto_chooses_among_the_heads_made_for_the_target(tmp_path, monkeyp
     monkeypatch.setenv("PG_DFLASH_CACHE", str(tmp_path))
     assert head_folder("auto", target.name) == []  # the shipped head is SmolLM2's
     assert head_folder("auto", "smollm2-135m-instruct") == [SHIPPED_HEADS / "smollm2-135m-instruct-next"]
+    assert head_folder("auto", "qwen2.5-coder-1.5b-instruct") == [SHIPPED_HEADS / "qwen2.5-coder-1.5b-instruct-next"]
     mine = heads_dir(target.name)
     _random_head(mine / "hf", target)
     _random_head(mine / "ort", target, backends=("ort",))
@@ -310,3 +311,18 @@ def test_head_auto_chooses_among_the_heads_made_for_the_target(tmp_path, monkeyp
     assert head_mod.for_target(target, found).w.config["backends"] == ["hf"]
     assert head_mod.for_target(target, mine / "stray") is None
     assert head_folder("none", target.name) is None
+
+
+def test_the_shipped_qwen_head_fits_its_target_on_its_backend_only():
+    """The 1.5B's shipped head loads, and fits the 1.5B (28 layers of 1536, 151,936 tokens) on
+    `ort-q4_k_m` only: another backend's last feature is another state."""
+    from types import SimpleNamespace
+
+    from dflash.model_files import SHIPPED_HEADS
+
+    w = head_mod.load(SHIPPED_HEADS / "qwen2.5-coder-1.5b-instruct-next")
+    qwen = SimpleNamespace(name="qwen2.5-coder-1.5b-instruct", backend="ort-q4_k_m", hidden_size=1536,
+                           num_layers=28, vocab_size=151936)
+    assert head_mod.fits(w, qwen) and len(w.vocab) == w.config["vocab_k"] == 2048
+    assert not head_mod.fits(w, SimpleNamespace(**{**vars(qwen), "backend": "ort"}))
+    assert not head_mod.fits(w, SimpleNamespace(**{**vars(qwen), "name": "qwen2.5-coder-0.5b-instruct"}))
