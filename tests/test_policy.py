@@ -472,6 +472,13 @@ def test_the_curve_times_lengths_in_rounds_and_prices_padded_lengths_alike():
         assert all(d < 0.001 * D + 0.0015 for D, d in enumerate(draft_s[1:], 2)), draft_s
         if min_rows == 2:
             assert verify_s[0] == verify_s[1]
+    # In a batch of several sequences a call is not padded (each sequence's own rows go
+    # through the weights): a verify of 2 rows keeps its own, dearer price.
+    calls["n"] = 100
+    bench.seqs = [object(), object()]
+    bench.verify = lambda L: time.sleep(0.003 * L)
+    verify_s, _ = _curve(bench, (1, 2, 3, 4), repeats=3)
+    assert verify_s[1] > verify_s[0] + 0.002, verify_s
 
 
 def test_each_length_is_timed_after_a_call_of_its_own_length():

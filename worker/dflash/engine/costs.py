@@ -42,8 +42,9 @@ CONTEXT_ROWS = 16  # pending context rows timed for the drafter's price per row
 # What a curve holds (2: the drafter's price per pending context row; 3: a draft priced with the
 # verify after it; 4: lengths timed in rounds, lengths under the target's min_rows priced
 # alike; 5: rounds in alternating order, each timed verify after one of its own length,
-# see _curve); older ones are measured again.
-CURVE_FORMAT = 5
+# see _curve; 6: lengths under min_rows priced alike for a lone sequence only); older ones are
+# measured again.
+CURVE_FORMAT = 6
 REPEATS = 5
 BATCH_REPEATS = 3
 # The lengths timed (the drafter's block size too); prices in between are interpolated: a
@@ -417,7 +418,12 @@ def _curve(bench: _StepBench, lengths, repeats: int) -> tuple[list[float], list[
             if L in draft_at:
                 draft_at[L] = min(draft_at[L], timed(lambda: bench.draft(L), bench.device, 1))
                 both_at[L] = min(both_at[L], timed(lambda: (bench.draft(L), bench.verify(L)), bench.device, 1))
-    padded = [L for L in lengths if L <= bench.target.min_rows]
+    # Only a lone sequence's call is padded to min_rows through the weights: a batch of
+    # several runs each sequence's own rows (ort._together), so there a verify of 2 rows is
+    # dearer than one of 1, and pricing it alike made `auto` verify two rows per caller
+    # where that does not pay (8 callers on ort-q4_k_m ran 0.62-0.76x plain decoding).
+    lone = len(getattr(bench, "seqs", ())) <= 1
+    padded = [L for L in lengths if L <= bench.target.min_rows] if lone else []
     if padded:
         fastest = min(verify_at[L] for L in padded)
         verify_at.update({L: fastest for L in padded})
