@@ -456,6 +456,7 @@ def test_the_curve_times_lengths_in_rounds_and_prices_padded_lengths_alike():
 
     bench = object.__new__(_StepBench)
     bench.device, bench.block_size = torch.device("cpu"), 4
+    bench.seqs = [object()]  # one sequence: lengths under min_rows are one padded call
     calls = {"n": 0}
 
     def busy():
@@ -492,7 +493,7 @@ def test_each_length_is_timed_after_a_call_of_its_own_length():
     from dflash.engine.costs import MEASURED, _curve, _StepBench
 
     bench = object.__new__(_StepBench)
-    bench.device, bench.block_size = torch.device("cpu"), 16
+    bench.device, bench.block_size, bench.seqs = torch.device("cpu"), 16, [object()]
     bench.target = type("T", (), {"min_rows": 1})()
     last = {"rows": 16}  # the warm-up ends with the largest shapes
 

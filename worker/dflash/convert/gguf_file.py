@@ -169,8 +169,9 @@ _SCALARS = {gguf.GGUFValueType.UINT8: "<B", gguf.GGUFValueType.INT8: "<b", gguf.
 
 def scalar_keys(path: Path, wanted: set[str], code: str = "bad_target") -> dict:
     """The numeric values of the `wanted` keys of a little-endian GGUF file, read from its
-    header only, up to the last one found: GGUFReader parses every key first, and a
-    151,936-token vocabulary's arrays take it 14 s (the start of a worker on a Qwen GGUF)."""
+    header only, up to the last one found: GGUFReader parses every key first, a large
+    vocabulary's arrays for seconds, at every start of a worker on the file. A file this scan
+    cannot read (missing, cut short, big-endian) gets the reader's answer or clean error."""
     import struct
 
     found: dict = {}

@@ -51,10 +51,8 @@ PARTS = {"q_proj": ("attn_q",), "k_proj": ("attn_k",), "v_proj": ("attn_v",), "o
 
 def file_type(gguf: Path) -> str | None:
     """The file's llama.cpp file type name where it is one this build is for, else None."""
-    from dflash.convert.gguf_file import open_gguf, scalar_keys
+    from dflash.convert.gguf_file import scalar_keys
 
-    if not Path(gguf).is_file():
-        open_gguf(Path(gguf), code="bad_target")  # its clean error
     return FILE_TYPES.get(scalar_keys(Path(gguf), {"general.file_type"}).get("general.file_type"))
 
 

@@ -420,10 +420,9 @@ def _curve(bench: _StepBench, lengths, repeats: int) -> tuple[list[float], list[
                 both_at[L] = min(both_at[L], timed(lambda: (bench.draft(L), bench.verify(L)), bench.device, 1))
     # Only a lone sequence's call is padded to min_rows through the weights: a batch of
     # several runs each sequence's own rows (ort._together), so there a verify of 2 rows is
-    # dearer than one of 1, and pricing it alike made `auto` verify two rows per caller
-    # where that does not pay (8 callers on ort-q4_k_m ran 0.62-0.76x plain decoding).
-    lone = len(getattr(bench, "seqs", ())) <= 1
-    padded = [L for L in lengths if L <= bench.target.min_rows] if lone else []
+    # dearer than one of 1, and pricing it alike would have `auto` verify two rows per
+    # caller where that does not pay.
+    padded = [L for L in lengths if L <= bench.target.min_rows] if len(bench.seqs) == 1 else []
     if padded:
         fastest = min(verify_at[L] for L in padded)
         verify_at.update({L: fastest for L in padded})

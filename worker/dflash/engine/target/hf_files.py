@@ -28,7 +28,7 @@ class HFSide:
     head_shape: tuple[int, int]  # [V, H] (the embedding's when tied)
 
     # The embedding and head are read at their first use, not at load: only a drafter or a
-    # next-token head borrows them, and the 1.5B's cost 0.9 GB and 2 s per backend built.
+    # next-token head borrows them, and a large vocabulary's are most of a GB in fp32.
     @cached_property
     def _weights(self) -> dict[str, torch.Tensor]:
         return read_tensors(self.folder, (EMBED, HEAD))
@@ -55,29 +55,27 @@ class BorrowedHead(TargetDefaults):
         return self._side.head
 
 
-def tensor_shapes(folder: Path, names: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
-    """The shapes of the named tensors of the folder's safetensors files (none read)."""
+def _stored(folder: Path, names: tuple[str, ...]):
+    """(name, open safetensors file) for each of `names` the folder's files hold, from the
+    first file (in name order) that holds it."""
     from safetensors import safe_open
 
-    out = {}
+    seen = set()
     for f in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:
             for name in names:
-                if name in sf.keys() and name not in out:
-                    out[name] = tuple(sf.get_slice(name).get_shape())
-    return out
+                if name in sf.keys() and name not in seen:
+                    seen.add(name)
+                    yield name, sf
+
+
+def tensor_shapes(folder: Path, names: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+    """The shapes of the named tensors of the folder's safetensors files (none read)."""
+    return {name: tuple(sf.get_slice(name).get_shape()) for name, sf in _stored(folder, names)}
 
 
 def read_tensors(folder: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for name in names:
-                if name in sf.keys() and name not in out:
-                    out[name] = sf.get_tensor(name).float()
-    return out
+    return {name: sf.get_tensor(name).float() for name, sf in _stored(folder, names)}
 
 
 def read_hf_side(hf_dir: Path, backend: str, model_file: Path, what: str) -> HFSide:
