@@ -232,3 +232,42 @@ def test_a_forced_offer_is_the_forced_run_within_the_step(tiny_text_engine):
     after = state.constraint.forced()
     assert after and proposer.offer([(state, 16)])[0].draft.tokens.tolist() == after
     tiny_text_engine.release(state)
+
+
+def test_a_suffix_chain_starts_with_the_forced_run_and_goes_on_past_it(tiny_text_engine):
+    """Where the grammar forces a run, the suffix proposer's chain is that run, certain, then
+    what followed it in the workload's past answers (the value after that key)."""
+    engine = tiny_text_engine
+    state = engine.admit(GenerationRequest(prompt="x", json_schema=TICKET))
+    run = state.constraint.forced()
+    pro = engine.tokenizer.encode("pro", add_special_tokens=False)
+    engine.release(state)
+    engine.workloads.load("tickets", [run + pro + [engine.target.eos_ids[0]]])
+    try:
+        state = engine.admit(GenerationRequest(prompt="x", json_schema=TICKET, workload="tickets"))
+        suffix = engine.proposer("suffix")
+        (draft,) = suffix.propose([(state, 16)])
+        assert draft.tokens.tolist()[: len(run) + len(pro)] == run + pro and draft.certain == len(run)
+        assert draft.confidence[: len(run)] == [1.0] * len(run) and suffix.choices(state) is None
+        (cut,) = suffix.propose([(state, len(run) + 1)])  # no room past the run: the forced proposer's offer alone
+        assert len(cut.tokens) == 0
+        engine.release(state)
+    finally:
+        engine.workloads.workloads.pop("tickets", None)
+
+
+def test_forced_runs_in_suffix_chains_are_kept_and_counted(tiny_text_engine):
+    """The suffix proposer alone, a workload answering alike twice: the second answer's chains
+    carry its forced runs, every one kept and counted as forced, and the output is constrained
+    plain decoding's."""
+    engine = tiny_text_engine
+    engine.workloads.load("tickets", [])
+    try:
+        first, second = (generate(engine, {"json_schema": TICKET}, workload="tickets", proposers=("suffix",),
+                                  max_new_tokens=60) for _ in range(2))
+    finally:
+        engine.workloads.workloads.pop("tickets", None)
+    assert second.output_ids == first.output_ids == reference(engine, first.prompt_ids, {"json_schema": TICKET}, 60)
+    assert set(second.stats.by_proposer) == {"suffix"} and second.stats.forced_tokens > 0
+    assert second.stats.forced_tokens <= second.stats.by_proposer["suffix"]["accepted"]
+    assert len(second.stats.steps) < len(first.stats.steps)

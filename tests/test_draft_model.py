@@ -163,7 +163,9 @@ def test_the_bench_runs_it_alone_at_a_fixed_block(qwens):
 # --- the real Qwen2.5-Coder models --------------------------------------------------------
 
 
-NEAR_TIE = 0.1  # logits: llama.cpp's quantized kernels move a logit by ~0.05 with the batch's row count
+# logits: llama.cpp's quantized kernels move a logit with the batch's row count, by up to 0.6
+# on an AVX2 CPU (the 1.5B's Q4_K_M, one row against four over 120 positions: median 0.4)
+NEAR_TIE = 0.6
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -81,7 +81,8 @@ def replay_suffix(prompts: list[list[int]], outputs: list[list[int]], verify_s: 
 def _request(proposer: SuffixProposer, curve: CostCurve, cfg: SpeculativeConfig, prompt: list[int], output: list[int],
              max_new: int, max_block: int) -> tuple[float, int]:
     """(seconds, steps) of one request's decoding steps; its first token came with the prefill."""
-    state = SimpleNamespace(prompt_ids=prompt, output_ids=output[:1], workload=WORKLOAD, proposals={})
+    # (no answer form: the replay prices the suffix proposer's chains alone)
+    state = SimpleNamespace(prompt_ids=prompt, output_ids=output[:1], workload=WORKLOAD, proposals={}, constraint=None)
     state.proposals[NAME] = proposer.start(state)
     policy = BlockPolicy(curve, max_block, cfg,
                          {NAME: PointMass(cfg, max_block - 1, proposer.prior(WORKLOAD, cfg.max_prior_strength))})

@@ -301,6 +301,7 @@ class Matcher:
         self._m, self.vocabulary, self.constraint = matcher, vocabulary, constraint
         self.committed = 0
         self._ended = False  # the end of sequence is committed (it comes last)
+        self._forced: list[int] | None = None  # `forced()` here (None: not asked since the last move)
         self.seconds = 0.0  # spent in the step's calls below (masks, cuts, commits, forced runs)
 
     @classmethod
@@ -359,6 +360,7 @@ class Matcher:
             elif not self._m.consume_token(t):
                 raise RuntimeError(f"grammar matcher refused an allowed token: {self._m.get_error()}")
             self.committed += 1
+        self._forced = None
 
     def rollback(self, k: int) -> None:
         """Undo the last k committed tokens."""
@@ -370,6 +372,7 @@ class Matcher:
         if k:
             self._ended = False
         self.committed -= k
+        self._forced = None
 
     @property
     def ended(self) -> bool:
@@ -392,8 +395,11 @@ class Matcher:
     @_timed
     def forced(self) -> list[int]:
         """The tokens the grammar forces from here, as the target's tokenizer writes them
-        (empty where the next token is a choice)."""
-        return [] if self.ended else list(self._m.compute_ff_tokens())
+        (empty where the next token is a choice). Asked once per step by each proposer that
+        reads it, computed once."""
+        if self._forced is None:
+            self._forced = [] if self.ended else list(self._m.compute_ff_tokens())
+        return self._forced
 
     def accepts_eos(self) -> bool:
         """Whether the output so far is a whole answer (the grammar may end here)."""

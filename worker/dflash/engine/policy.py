@@ -110,7 +110,7 @@ class BlockPolicy:
         if len(deferred) > 1:
             raise ValueError(f"one model drafter per request, got {deferred}")
         self.drafter: Drafter | None = self.estimates[deferred[0]] if deferred else None
-        self.tokens, self.cost = 0.0, 0.0  # what the request has committed and spent so far
+        self.tokens, self.cost = 0.0, 0.0  # what the request has committed and spent so far (`rate`)
         # The drafter's probe schedule.
         self.plain_run = 0  # consecutive steps it did not draft
         self.probe_every = cfg.probe_after
@@ -151,7 +151,10 @@ class BlockPolicy:
     @property
     def rate(self) -> float:
         """Tokens per second to price time at: plain decoding's in this step, or what this
-        request already achieves when that is better."""
+        request already achieves when that is better. Certain drafts (a grammar's forced run)
+        are left out of the latter, tokens and rows: they come at a rate no choice changes,
+        and would price the rows of a JSON answer's values, which the request must find, at
+        the rate of its keys."""
         plain = self.prices.plain_rate
         return max(plain, self.tokens / self.cost) if self.cost > 0 else plain
 
@@ -172,11 +175,14 @@ class BlockPolicy:
         i = best(values)
         return i + 1, values[i]
 
-    def ready_verify(self, name: str, confidences: list[float]) -> tuple[int, float]:
-        """(L, value) for a ready draft of offer `name` with these confidences, calibrated by
-        this request's outcomes of that proposer's drafts at similar confidence."""
-        acc = self.estimates[name].acceptance(confidences[: self.max_block - 1])
-        return self._best_verify(acc + [0.0] * (self.max_block - 1 - len(acc)), len(acc) + 1)
+    def ready_verify(self, name: str, confidences: list[float], certain: int = 0) -> tuple[int, float]:
+        """(L, value) for a ready draft of offer `name` with these confidences, its first
+        `certain` kept for sure and the rest calibrated by this request's outcomes of that
+        proposer's drafts at similar confidence."""
+        width = self.max_block - 1
+        certain = min(certain, width)
+        acc = [1.0] * certain + self.estimates[name].acceptance(confidences[certain:width])
+        return self._best_verify(acc + [0.0] * (width - len(acc)), len(acc) + 1)
 
     def draft_values(self) -> list[float]:
         """Expected net tokens of a step for each draft length D = 1..max_block (index D - 1):
@@ -285,7 +291,7 @@ class BlockPolicy:
             if offer.deferred:
                 deferred = offer
                 continue
-            L, v = self.ready_verify(offer.name, offer.draft.confidence)
+            L, v = self.ready_verify(offer.name, offer.draft.confidence, offer.draft.certain)
             if L > 1 and v > value:
                 chosen, n, value = offer, L, v
         if deferred is not None:
@@ -315,13 +321,17 @@ class BlockPolicy:
         """A step's outcome: `offer` (None: a plain step) verified `verify_len` tokens and kept
         `accepted` drafts; `draft_len`: the positions its drafter computed (1: none)."""
         committed = accepted + 1
-        self.tokens += committed
         estimate = self.estimates[offer.name] if offer is not None else None
         if estimate is not None and not estimate.deferred:  # for the drafter's schedule, a plain step
-            self.cost += self.prices.verify_s[verify_len - 1] + offer.price.s
-            estimate.record(confidences, verify_len, accepted, draft_len)
+            # Its certain drafts are kept whatever is chosen: the rate counts what the step found
+            # at what it would have cost without their rows, and the calibration learns from the rest.
+            k = min(offer.draft.certain, verify_len - 1)
+            self.tokens += committed - k
+            self.cost += self.prices.verify_s[verify_len - 1 - k] + offer.price.s
+            estimate.record(confidences[k:], verify_len - k, accepted - k, draft_len)
             self.plain_run += 1
             return
+        self.tokens += committed
         self.cost += self.prices.step_s(draft_len, verify_len)
         if estimate is not None:
             estimate.record(confidences, verify_len, accepted, draft_len)

@@ -51,8 +51,8 @@ class GenerationStats:
     # With a constraint (json_schema, regex, choices): whether the output ended short of a
     # whole answer (max_new_tokens or the context cut it); None without one.
     truncated: bool | None = None
-    # Tokens the grammar forced that were drafted as such and kept (the forced-token
-    # proposer, dflash.engine.proposers.forced, adds them).
+    # Tokens the grammar forced that were drafted as such and kept (certain drafts: the
+    # forced-token proposer's runs, or the forced run a suffix chain starts with).
     forced_tokens: int = 0
     # Of decode_s, the time the constraint's grammar took (its masks, cuts and commits).
     constraint_s: float = 0.0

@@ -126,7 +126,7 @@ def _within(state: DecodeState, offer: Offer) -> Offer | None:
     if n == 0:
         return None
     return replace(offer, draft=Draft(d.tokens[:n], None if d.probs is None else d.probs[:n],
-                                      None if d.confidence is None else d.confidence[:n]))
+                                      None if d.confidence is None else d.confidence[:n], min(d.certain, n)))
 
 
 class _Plan:
@@ -139,9 +139,11 @@ class _Plan:
         self.draft_len = draft_len
         self.offer = offer if draft_len > 1 else None
         self.drafts, self.probs, self.confidence = _NO_DRAFTS, None, []
+        self.certain = 0  # of the drafts, those the state's grammar forces
         if self.offer is not None and not self.offer.deferred:  # a ready draft: verify as chosen
             self.drafts = offer.draft.tokens[: draft_len - 1]
             self.confidence = offer.draft.confidence[: draft_len - 1]
+            self.certain = min(offer.draft.certain, draft_len - 1)
 
     @property
     def name(self) -> str | None:
@@ -292,6 +294,7 @@ def _verify_commit(engine, p: _Plan, out, i: int, union: tuple[int, ...], draft_
     verify_len = len(p.draft_list) + 1
     # Per-position counts are a model drafter's (block length auto's workload prior).
     state.stats.record(p.draft_list, accepted, p.name, positional=p.offer is None or p.deferred)
+    state.stats.forced_tokens += min(accepted, p.certain)
     if state.policy is not None:
         state.policy.observe(p.offer, p.confidence, verify_len, accepted, p.draft_len)
         if p.offer is not None:

@@ -7,13 +7,14 @@ constraint (dflash.engine.state.AnswerConstraint) names that run, as the target'
 writes it (dflash.engine.grammar: LLGuidance's forced tokens, the one token its mask leaves
 at each of their rows). They are offered as a ready draft with confidence 1: the verify's
 mask there holds that token only, so the target takes it, greedy or sampled, and the
-draft costs its verify rows and the lookup, nothing else. A point mass (the strict rule
-verifies it when sampling), so the target's masked law is kept.
+draft costs its verify rows and the lookup, nothing else: a certain draft (`Draft.certain`),
+counted as kept by the policy and in the statistics' `forced_tokens`. A point mass (the
+strict rule verifies it when sampling), so the target's masked law is kept.
 
-It competes with the other proposers' offers at the policy's prices like any of them: a
-suffix chain that repeats the forced run and goes on past it (a key and the value a table's
-rows repeat) is worth more and wins; one the grammar cuts inside the run is worth less.
-Its calibration starts from what forced drafts are: kept every time.
+It competes with the other proposers' offers at the policy's prices like any of them: the
+suffix proposer's chain starts with the same run where one is forced and goes on past it
+(the value a table's rows repeat after that key), so where it has a continuation it is
+worth more and wins.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from dflash.engine.calibration import PointMass, bin_of
+from dflash.engine.calibration import PointMass
 from dflash.engine.proposers.protocol import BaseProposer, Draft, Offer, RunningPrice
 
 NAME = "forced"
@@ -39,20 +40,14 @@ class Forced(BaseProposer):
     def __init__(self, cfg):
         self.cfg = cfg
         self.price = RunningPrice(2e-5)  # one lookup of the forced run (LLGuidance: tens of microseconds)
-        # A forced token is the only one the verify's mask allows, so it is kept every time:
-        # the calibration's confidence-1 bin starts as full of kept outcomes as a pooled
-        # prior may be (cfg.max_prior_strength), not at the half trust of an unknown point mass.
-        bins = cfg.calibration_bins
-        top = bin_of(1.0, bins)
-        self.prior = ([0.0] * bins, [0.0] * bins)
-        self.prior[0][top] = self.prior[1][top] = cfg.max_prior_strength
 
     def join(self, state, request, allowed: set[str]) -> None:
         if NAME in allowed and state.constraint is not None:
             state.proposals[NAME] = None  # the state's constraint holds all it reads
 
     def calibrations(self, state, request, prior, width: int) -> dict:
-        return {NAME: PointMass(self.cfg, width, self.prior)} if NAME in state.proposals else {}
+        # (its drafts are certain: the policy counts them kept without asking the calibration)
+        return {NAME: PointMass(self.cfg, width)} if NAME in state.proposals else {}
 
     def offer(self, items):
         out = []
@@ -64,8 +59,5 @@ class Forced(BaseProposer):
             run = state.constraint.forced()[: most - 1]
             self.price.add(time.perf_counter() - t)
             out.append(Offer(NAME, self, Draft(torch.from_numpy(np.array(run, dtype=np.int64)), None,
-                                               [1.0] * len(run)), self.price) if run else None)
+                                               [1.0] * len(run), len(run)), self.price) if run else None)
         return out
-
-    def outcome(self, state, offer, confidence, verify_len, accepted) -> None:
-        state.stats.forced_tokens += accepted

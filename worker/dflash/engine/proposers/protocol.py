@@ -26,7 +26,8 @@ offer how it fared (a proposer learning across requests keeps that).
 
 A draft carries, per proposed token, the proposer's distribution when it sampled from one
 (`probs`, for the probabilistic verify rule) or None for a point mass (a deterministic
-proposal, verified by the strict rule when sampling), and a confidence per position.
+proposal, verified by the strict rule when sampling), a confidence per position, and how
+many of its first tokens are certain (forced by the request's grammar).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class Draft:
     tokens: torch.Tensor  # [D - 1] proposed token ids
     probs: torch.Tensor | None  # [D - 1, V] the distribution each was drawn from; None: point masses
     confidence: list[float] | None  # per position, in [0, 1]; None when nobody asked
+    # Its first `certain` tokens are the only ones the request's answer form allows there (a
+    # grammar's forced run): kept every time, so the policy counts them as such instead of
+    # calibrating them, and leaves them out of the rate at which the request finds tokens.
+    certain: int = 0
 
 
 class RunningPrice:

@@ -69,6 +69,7 @@ class SuffixState:
     workload: object | None  # its workload's memory (dflash.engine.workloads.Workload), if any
     found: Continuations | None = None  # the last proposal's occurrences, for `choices` / `rechoose`
     most: int = 0  # the last proposal's longest chain (0: none)
+    lead: int = 0  # the forced tokens it starts with (the lookup went on from after them)
     first: tuple[np.ndarray, np.ndarray] | None = None  # its first position's tokens and counts (when asked)
 
 
@@ -92,8 +93,10 @@ class SuffixProposer(BaseProposer):
         self.pools: OrderedDict[object, tuple[list[float], list[float]]] = OrderedDict()
 
     def outcome(self, state, offer, confidences: list[float], verify_len: int, accepted: int) -> None:
-        """A chain was verified: its workload's pooled calibration learns from it."""
-        self.learn(state.workload, confidences, verify_len, accepted)
+        """A chain was verified: its workload's pooled calibration learns from it (past the
+        forced run it started with, if any: those are certain)."""
+        k = min(offer.draft.certain, verify_len - 1)
+        self.learn(state.workload, confidences[k:], verify_len - k, accepted - k)
 
     def start(self, state) -> SuffixState:
         own = SuffixIndex()
@@ -112,27 +115,37 @@ class SuffixProposer(BaseProposer):
 
     def propose(self, items: list[tuple[object, int]]) -> list[Draft]:
         """For each (state, D): up to D - 1 tokens continuing the longest earlier match of
-        its committed suffix, from its own tokens or its workload's past outputs."""
+        its committed suffix, from its own tokens or its workload's past outputs. Where the
+        state's answer form forces a run of tokens from here (a JSON key), the chain starts
+        with that run, at confidence 1, and continues what followed the run's earlier
+        occurrences (the value a table's rows repeat after that key)."""
         out = []
         for state, D in items:
             t = time.perf_counter()
             ps = state.proposals[NAME]
             self.catch_up(state)
+            lead = state.constraint.forced()[: D - 1] if state.constraint is not None else []
+            room = D - 1 - len(lead)
             indexes = [ps.own] if ps.workload is None else [ps.own, ps.workload.index]
-            ps.found = found = _lookup(indexes, state.prompt_ids, state.output_ids, D - 1, self.cfg)
+            ps.found = found = _lookup(indexes, state.prompt_ids, state.output_ids + lead if lead else state.output_ids,
+                                       room, self.cfg) if room > 0 else None
             ps.first = None
-            ps.most = _longest(found, D - 1, self.cfg)
+            ps.most = _longest(found, room, self.cfg)
             tokens, confidence = found.walk(ps.most) if ps.most > 0 else ([], [])
+            # A forced run alone is the forced proposer's offer; a chain carries it only where
+            # something follows it.
+            ps.lead = len(lead) if tokens else 0
             self.price.add(time.perf_counter() - t)
-            out.append(_draft(tokens, confidence))
+            out.append(_draft(lead + tokens, [1.0] * len(lead) + confidence, len(lead)) if tokens else _draft([], []))
         return out
 
     @staticmethod
     def choices(state) -> np.ndarray | None:
         """The tokens that followed the state's last proposal's match at the first position,
-        where its occurrences went more than one way (else None)."""
+        where its occurrences went more than one way (else None; and where a forced run comes
+        first, whose first token is no choice)."""
         ps = state.proposals[NAME]
-        if ps.found is None or not ps.most:
+        if ps.found is None or not ps.most or ps.lead:
             return None
         if ps.first is None:
             ps.first = ps.found.first()
@@ -170,6 +183,6 @@ class SuffixProposer(BaseProposer):
         return shrink(acc, n, strength)
 
 
-def _draft(tokens: list[int], confidence: list[float]) -> Draft:
+def _draft(tokens: list[int], confidence: list[float], certain: int = 0) -> Draft:
     # (through numpy: torch.tensor of a short Python list costs several times as much, every step)
-    return Draft(torch.from_numpy(np.array(tokens, dtype=np.int64)), None, list(confidence))
+    return Draft(torch.from_numpy(np.array(tokens, dtype=np.int64)), None, list(confidence), certain)
