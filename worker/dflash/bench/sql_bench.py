@@ -137,7 +137,11 @@ def main(argv=None) -> int:
     add_model_args(ap)  # the engine is built as `dflash serve` builds it, from the same options
     args = ap.parse_args(argv)
 
-    engine = engine_from_args(args)
+    # A serving engine, as `dflash serve` builds one for its default --max-active: the queue's
+    # rows are generated together, and only a serving engine has the batched cost curves
+    # that price a step of several requests (without them a batch is priced as one request's
+    # rows, far below what it costs).
+    engine = engine_from_args(args, serving=True)
     is_random = engine.random_drafter
     server = start_local_cluster()
     sock = server.socket_dir / "worker.sock"
