@@ -138,9 +138,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     # A serving engine, as `dflash serve` builds one for its default --max-active: the queue's
-    # rows are generated together, and only a serving engine has the batched cost curves
-    # that price a step of several requests (without them a batch is priced as one request's
-    # rows, far below what it costs).
+    # rows are generated together, so the target backend is chosen for several callers.
     engine = engine_from_args(args, serving=True)
     is_random = engine.random_drafter
     server = start_local_cluster()
