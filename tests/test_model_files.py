@@ -177,6 +177,31 @@ def test_header_of_a_whole_file(tmp_path):
     assert (h.architecture, h.layers, h.hidden_size, h.vocab_size) == ("llama", 1, 8, 3)
 
 
+def test_a_conversion_stays_current_for_the_same_bytes_elsewhere(tmp_path):
+    """A packaged model's GGUF copied into another virtual environment (another path, another
+    time) is the file the folder was converted from; other bytes of the same size are not,
+    nor is a copy where the folder's marker predates the file's sha256."""
+    import shutil
+
+    from dflash.convert.target_gguf import MARKER, _stamp, is_current
+
+    first = _tiny_gguf(tmp_path / "venv-a" / "t.gguf")
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    (folder / MARKER).write_text(json.dumps({"source": str(first), **_stamp(first)}))
+    copy = tmp_path / "venv-b" / "t.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(first, copy)
+    os.utime(copy, ns=(first.stat().st_mtime_ns + 10**9,) * 2)
+    assert is_current(folder, first) and is_current(folder, copy)
+    other = _tiny_gguf(tmp_path / "venv-c" / "t.gguf", tokens=("a", "b", "d"))
+    assert other.stat().st_size == first.stat().st_size and not is_current(folder, other)
+    marker = json.loads((folder / MARKER).read_text())
+    del marker["sha256"]
+    (folder / MARKER).write_text(json.dumps(marker))
+    assert is_current(folder, first) and not is_current(folder, copy)
+
+
 def test_truncated_gguf_is_refused_naming_file_and_architecture(tmp_path, cache):
     path = _tiny_gguf(tmp_path / "cut.gguf")
     path.write_bytes(path.read_bytes()[:-40])

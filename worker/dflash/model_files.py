@@ -35,7 +35,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.convert.target_gguf import MARKER, say  # noqa: F401 (the cache's, read through here too)
+from dflash.convert.target_gguf import MARKER, file_sha256, say  # noqa: F401 (the cache's, read through here too)
 from dflash.errors import DFlashError
 
 DEFAULT_TARGET_NAME = "smollm2-135m-instruct"
@@ -223,11 +223,7 @@ def installed(name: str) -> bool:
     stamp = _read_stamp(path)
     if stamp and {"size": stamp["size"], "mtime_ns": stamp["mtime_ns"]} == _stamp_of(path):
         return stamp["sha256"] == model.sha256
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    if digest.hexdigest() != model.sha256:
+    if file_sha256(path) != model.sha256:
         return False
     _write_stamp(path, model.sha256)
     return True

@@ -16,6 +16,7 @@ modification time, so a file replaced under the same name is converted again.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sys
@@ -108,14 +109,25 @@ def _architecture_only(path: Path) -> str | None:
         return None
 
 
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _stamp(path: Path) -> dict:
     st = path.stat()
-    return {"gguf": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {"gguf": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(path)}
 
 
 def is_current(folder: Path, gguf: Path) -> bool:
     """Whether `folder` is a finished conversion of the file `gguf` is now (a marker without the
-    file's stamp, as the first releases wrote for the embedded default, counts as current)."""
+    file's stamp, as the first releases wrote for the embedded default, counts as current).
+    The same bytes at another path or time count too: a packaged model's copy in another
+    virtual environment must not convert the folder again, which would also leave the ONNX
+    exports made from it behind (their key holds the folder's files)."""
     try:
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):
@@ -123,7 +135,9 @@ def is_current(folder: Path, gguf: Path) -> bool:
     if "size" not in marker:
         return True
     st = gguf.stat()
-    return (marker["size"], marker["mtime_ns"]) == (st.st_size, st.st_mtime_ns)
+    if (marker["size"], marker["mtime_ns"]) == (st.st_size, st.st_mtime_ns):
+        return True
+    return marker.get("sha256") is not None and marker["size"] == st.st_size and file_sha256(gguf) == marker["sha256"]
 
 
 def convert_target(gguf: Path, out: Path, source: str, quiet: bool = False, weights: bool = True) -> Path:
