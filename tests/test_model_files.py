@@ -264,6 +264,55 @@ def test_llamacpp_refusal_names_the_architecture(tmp_path, smol_dir):
     assert e.value.code == "bad_target" and str(path) in e.value.message and "'nosucharch'" in e.value.message
 
 
+def test_a_gguf_too_big_to_convert_runs_in_llamacpp_as_it_is(smol_dir, cache, tmp_path, monkeypatch, capsys):
+    """A GGUF whose fp32 conversion does not fit this machine (memory made small here): asked
+    for a backend that reads weights it is refused before anything is written, naming the file
+    and what it needs; `auto` and llamacpp run it as it is, its folder holding the tokenizer and
+    config alone. The embedding and head a drafter or head borrows come from the GGUF, bit for
+    bit what the whole conversion holds, and the logits are the whole folder's; the backends that
+    read weights refuse cleanly, and the folder counts as converted only without weights."""
+    import shutil
+
+    import torch
+
+    from dflash.convert import target_gguf
+    from dflash.engine.target import llamacpp
+    from dflash.engine.target.protocol import TargetRow
+    from dflash.loading import load_target, target_builders
+
+    if not llamacpp.available():
+        unavailable("llama-cpp-python", "not installed (make setup)")
+    path = tmp_path / "own-model.gguf"
+    shutil.copyfile(model_files.default_target_gguf(), path)
+    monkeypatch.setattr(target_gguf, "available_memory", lambda: 1 << 30)
+    with pytest.raises(DFlashError) as e:
+        model_files.resolve_target(str(path), quiet=True, backend="hf")
+    msg = e.value.message
+    assert e.value.code == "bad_target" and str(path) in msg and "GiB of memory" in msg and "llamacpp" in msg
+    assert not (cache / "targets").exists() or not any((cache / "targets").iterdir())
+
+    files = model_files.resolve_target(str(path), quiet=True, backend="auto")
+    assert "runs in llama.cpp as it is" in capsys.readouterr().err and files.gguf == path
+    assert not list(files.folder.glob("*.safetensors")) and not target_gguf.has_weights(files.folder)
+    assert model_files.resolve_target(str(path), quiet=True, backend="llamacpp").folder == files.folder
+    assert target_gguf.is_current(files.folder, path) and not target_gguf.is_current(files.folder, path, weights=True)
+    builders = target_builders(files.folder, gguf=path)
+    for name in ("hf", "ort", "ort-q4_1", "ort-q4_k_m"):
+        assert "tokenizer and config" in builders[name].why_not, name
+    with pytest.raises(DFlashError) as e:
+        load_target(files.folder, "hf", gguf=path)
+    assert e.value.code == "bad_target" and "tokenizer and config" in e.value.message
+
+    ours = load_target(files.folder, "llamacpp", gguf=path)
+    whole = llamacpp.LlamaCppTarget(model_files.default_target_gguf(), smol_dir, threads=2)  # probed elsewhere
+    ids = torch.tensor([1, 17, 400, 49151])
+    assert torch.equal(ours.head_weight(), whole.head_weight()) and torch.equal(ours.embed(ids), whole.embed(ids))
+    prompt = list(ours.tokenizer("A table of rows")["input_ids"])
+    assert prompt == list(whole.tokenizer("A table of rows")["input_ids"])
+    a, b = (t.forward_batch([TargetRow(t.new_sequence(), prompt, 2)]).logits[0] for t in (ours, whole))
+    assert torch.equal(a, b)
+
+
 def test_the_default_target_by_name_path_and_gguf(smol_dir):
     """--target smollm2-135m-instruct, its folder, or its shipped GGUF: the same folder, and
     the default drafter fits all three; the GGUF pairs with the llamacpp backend."""

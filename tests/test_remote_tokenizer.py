@@ -75,9 +75,11 @@ def test_a_malformed_tokenize_answer_is_an_endpoint_error(fake, smol_dir):  # no
 
 def test_the_tokenizer_of_a_gguf_target(tmp_path, monkeypatch, fake, smol_dir):  # noqa: F811
     """--target FILE.gguf with --backend openai: the GGUF's own tokenizer (and config), saved
-    once into the cache without the weights, agrees with the server serving that file."""
+    once into the cache without the weights (the file's own folder, which llama.cpp also
+    runs it with), agrees with the server serving that file."""
     from dflash.cli import main
-    from dflash.model_files import default_target_gguf, resolve_tokenizer
+    from dflash.convert.target_gguf import has_weights
+    from dflash.model_files import default_target_gguf, gguf_target_dir, resolve_tokenizer
 
     monkeypatch.setenv("PG_DFLASH_CACHE", str(tmp_path / "cache"))
     copy = tmp_path / "served.gguf"
@@ -86,7 +88,8 @@ def test_the_tokenizer_of_a_gguf_target(tmp_path, monkeypatch, fake, smol_dir): 
     except OSError:
         shutil.copy(default_target_gguf(), copy)
     folder = resolve_tokenizer(str(copy), quiet=True)
-    assert folder.parent == tmp_path / "cache" / "targets" and folder.name.endswith("-tokenizer")
+    assert folder.parent == tmp_path / "cache" / "targets" and folder == gguf_target_dir(copy)
+    assert not has_weights(folder)
     assert (folder / "tokenizer.json").is_file() and (folder / "config.json").is_file()
     assert not list(folder.glob("*.safetensors"))
     assert resolve_tokenizer(str(copy), quiet=True) == folder  # once

@@ -9,7 +9,7 @@ import sys
 from dflash.bench.args import add_bench_args
 from dflash.errors import DFlashError
 from dflash.loading import RANDOM_DRAFTER_WARNING, add_backend_args, add_model_args, check_backend_args
-from dflash.loading import engine_from_args, target_arg
+from dflash.loading import backend_arg, engine_from_args, target_arg
 
 EXIT_ERROR = 2  # bad input or a failed command: one line `dflash: error: ...`
 EXIT_WORKER_ERROR = 3  # `client`: the worker answered with an error
@@ -100,7 +100,8 @@ def check_before_loading(args, req) -> None:
     req.sampling()  # temperature, top_k, top_p, seed, verify
     if check_backend_args(args):  # the endpoint's model is not here to read
         return
-    target_dir, drafter, _ = resolve_models(target_arg(args), args.drafter)  # a first use converts, and says so
+    # a first use converts, and says so
+    target_dir, drafter, _ = resolve_models(target_arg(args), args.drafter, backend=backend_arg(args))
     if drafter is not None and not Path(drafter).exists():
         raise DFlashError("bad_drafter", f"drafter not found: {drafter}")
     try:
@@ -217,7 +218,7 @@ def cmd_doctor(args) -> int:
     from dflash.loading import doctor_report, target_arg
     from dflash.model_files import resolve_target
 
-    files = resolve_target(target_arg(args))
+    files = resolve_target(target_arg(args), backend="auto")  # what can run here, weights or not
     gguf = Path(args.target_gguf) if args.target_gguf else files.gguf
     report = doctor_report(files.folder, gguf, reprobe=args.reprobe)
     if args.json:
@@ -248,7 +249,7 @@ def cmd_bench(args) -> int:
 
     methods = args.methods.split(",")
     # Only the embedded default has a drafter unless one is given (before any model loads).
-    check_drafter(methods, resolve_models(target_arg(args), args.drafter)[1] is not None)
+    check_drafter(methods, resolve_models(target_arg(args), args.drafter, backend=backend_arg(args))[1] is not None)
     engine = engine_from_args(args)
     peer = peer_for(target_arg(args), args.drafter, methods, engine.block_size, args.target_gguf)
     assistant = assistant_dir(args.assistant, reference_engine(engine).target.model, args.target is None) if (
@@ -281,6 +282,7 @@ def cmd_serve(args) -> int:
     engine = engine_from_args(args, serving=args.max_active > 1)
     # The drafter folder reload_drafter reads again (the native engine's; the endpoint has its own).
     target_dir, drafter_dir, _ = (None, None, None) if remote else resolve_models(target_arg(args), args.drafter,
+                                                                                  backend=backend_arg(args),
                                                                                   quiet=True)
     embedder = None
     if not args.no_embedder:

@@ -202,7 +202,14 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     from dflash.engine.target import llamacpp, ort, probe
     from dflash.model_files import onnx_export_dir
 
+    from dflash.convert.target_gguf import has_weights
+
     cpu32 = None if device == "cpu" and dtype == "float32" else f"it runs float32 on a CPU (asked: {dtype} on {device})"
+    # A GGUF target converted for llama.cpp alone (dflash.model_files.resolve_target) has no
+    # weights for the others to read or export.
+    no_weights = None if has_weights(target_dir) else (
+        f"{target_dir} holds the tokenizer and config of {Path(gguf).name if gguf else 'a GGUF file'} only "
+        "(llama.cpp runs the file as it is; another backend asked for converts its weights once)")
     export, export_q41 = onnx_export_dir(target_dir), onnx_export_dir(target_dir, onnx_q41.PRECISION)
     exported = is_current(Path(target_dir), export)
     exported_q41 = onnx_q41.is_current(Path(target_dir), export_q41)
@@ -244,16 +251,18 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
         return ort.OrtTarget(onnx_gguf.ensure_export(target_dir, export_gguf, export, gguf, quiet=False), target_dir,
                              threads=torch.get_num_threads())
 
-    ort_missing = cpu32 or (None if ort.available() else "onnxruntime is not installed")
+    ort_missing = no_weights or cpu32 or (None if ort.available() else "onnxruntime is not installed")
     where = {"target_dir": str(target_dir), "device": device, "dtype": dtype, "gguf": str(gguf) if gguf else None}
 
     def native(backend: str, build: dict | None = None) -> dict:
         return {"name": backend, "target_dir": target_dir, "build": build,
                 "probe": probe.Spec(f"{__name__}:build_backend", {"backend": backend, **where}),
-                "reference": probe.Spec(f"{__name__}:build_backend", {"backend": "hf", **where})}
+                # without weights no reference runs: the probe judges crashes alone
+                "reference": probe.Spec(f"{__name__}:build_backend", {"backend": "hf", **where})
+                if no_weights is None else None}
 
     return {
-        "hf": _Builder(hf, None, name="hf", target_dir=target_dir),
+        "hf": _Builder(hf, no_weights, name="hf", target_dir=target_dir),
         "llamacpp": _Builder(gguf_target, cpu32 or (
             None if llamacpp.available() else "llama-cpp-python is not installed (make setup installs it)") or (
             None if gguf is not None else "no GGUF of the target (--target-gguf FILE; the embedded default has one)"),
@@ -515,6 +524,12 @@ def target_arg(args) -> str | None:
     return args.target or getattr(args, "target_gguf", None)
 
 
+def backend_arg(args) -> str | None:
+    """The target backend the options ask for; None for a command that takes no
+    --target-backend (it reads the target's weights: a GGUF target is converted whole)."""
+    return getattr(args, "target_backend", None)
+
+
 def engine_from_args(args, serving: bool = False):
     """The engine the options ask for: the native one over `add_model_args`'s models (the
     embedded defaults unless named), or with `--backend openai` the remote one, which loads
@@ -532,8 +547,8 @@ def engine_from_args(args, serving: bool = False):
         return remote_engine(args.endpoint, resolve_tokenizer(target_arg(args)), args.model, args.api_key_file)
     # The target's folder and its GGUF, where it has one (an image may hold only the embedded
     # default's converted folder: then the llamacpp backend is simply not a candidate).
-    files = resolve_target(target_arg(args))
-    target, drafter, is_random = resolve_models(target_arg(args), args.drafter)
+    files = resolve_target(target_arg(args), backend=backend_arg(args))
+    target, drafter, is_random = resolve_models(target_arg(args), args.drafter, backend=backend_arg(args))
     if is_random:
         print(RANDOM_DRAFTER_WARNING, file=sys.stderr)
     gguf = getattr(args, "target_gguf", None) or files.gguf

@@ -377,10 +377,14 @@ class TargetFiles:
     name: str | None = None  # the registry's name, where it is a named model
 
 
-def resolve_target(target: str | Path | None, quiet: bool = False) -> TargetFiles:
+def resolve_target(target: str | Path | None, quiet: bool = False, backend: str | None = None) -> TargetFiles:
     """--target: None (the embedded default), a Hugging Face folder, a GGUF file (converted
-    once into the cache) or a named model (installed at first use)."""
-    from dflash.convert.target_gguf import convert_target, is_gguf
+    once into the cache) or a named model (installed at first use). `backend`: the target
+    backend asked for. A GGUF file is converted with its weights for any backend but llamacpp,
+    which runs the file as it is and takes the tokenizer and config alone; `auto` takes the
+    weights where their conversion fits this machine, else runs the file in llama.cpp alone
+    (dflash.convert.target_gguf.too_big). A named model's folder is always whole."""
+    from dflash.convert.target_gguf import convert_target, is_current, is_gguf, read_header, too_big
 
     if target is None:
         target = DEFAULT_TARGET_NAME
@@ -393,7 +397,13 @@ def resolve_target(target: str | Path | None, quiet: bool = False) -> TargetFile
                               "Face folder, a .gguf file or one of: " + ", ".join(MODELS) + ")")
         folder = gguf_target_dir(path)
         name = folder.name if folder.name in MODELS else None
-        return TargetFiles(convert_target(path, folder, str(path.resolve()), quiet), path, name)
+        weights = name is not None or backend != "llamacpp"
+        if weights and backend == "auto" and not is_current(folder, path, weights=True):
+            why = too_big(read_header(path), folder)
+            if why is not None:
+                say(f"{path.name}: {why}: it runs in llama.cpp as it is (the only candidate of auto)")
+                weights = False
+        return TargetFiles(convert_target(path, folder, str(path.resolve()), quiet, weights), path, name)
     if str(target) in MODELS:
         folder = ensure_target(str(target), quiet)
         return TargetFiles(folder, model_gguf(str(target)) if installed(str(target)) else None, str(target))
@@ -445,7 +455,8 @@ def ensure_default_drafter(target_dir: Path | None = None, quiet: bool = False) 
 def resolve_tokenizer(target: str | Path | None, quiet: bool = False) -> Path:
     """A folder holding the tokenizer (and config) of --target, for a backend that runs no
     weights here (--backend openai): the target's folder where it is one or is made already,
-    else the tokenizer alone, from the GGUF (a named model's is installed first)."""
+    else the tokenizer alone, from the GGUF (a named model's is installed first, its folder
+    beside the one with the weights)."""
     from dflash.convert.target_gguf import convert_target, is_current, is_gguf
 
     if target is None or Path(target).is_dir():
@@ -460,17 +471,18 @@ def resolve_tokenizer(target: str | Path | None, quiet: bool = False) -> Path:
     if not is_gguf(path):
         raise DFlashError("bad_target", f"--target {path} is neither a Hugging Face folder nor a GGUF file")
     folder = gguf_target_dir(path)
-    if _ready(folder) and is_current(folder, path):
-        return folder
-    return convert_target(path, folder.with_name(folder.name + "-tokenizer"), str(path.resolve()), quiet,
-                          weights=False)
+    if folder.name in MODELS and not (_ready(folder) and is_current(folder, path)):
+        folder = folder.with_name(folder.name + "-tokenizer")
+    return convert_target(path, folder, str(path.resolve()), quiet, weights=False)
 
 
-def resolve_models(target: str | None, drafter: str | None, quiet: bool = False) -> tuple[Path, Path | None, bool]:
+def resolve_models(target: str | None, drafter: str | None, quiet: bool = False,
+                   backend: str | None = None) -> tuple[Path, Path | None, bool]:
     """Fill in the embedded defaults for whatever was not given: (target folder, drafter or
     None, drafter_is_random). The default drafter fits the default target only: another
-    target given no --drafter runs without one (the free proposers, block length auto)."""
-    files = resolve_target(target, quiet)
+    target given no --drafter runs without one (the free proposers, block length auto).
+    `backend`: as resolve_target takes it."""
+    files = resolve_target(target, quiet, backend)
     if drafter:
         return files.folder, Path(drafter), False
     if files.folder.resolve() != default_target_dir().resolve():

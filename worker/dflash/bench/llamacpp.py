@@ -544,8 +544,9 @@ def peer_for(target: str | None, drafter: str | None, methods: list[str], block_
 
     from dflash.model_files import resolve_models, resolve_target
 
-    files = resolve_target(target, quiet=True)
-    drafter_path = resolve_models(target, drafter, quiet=True)[1] if any(map(is_dflash_peer, methods)) else None
+    files = resolve_target(target, quiet=True, backend="llamacpp")  # llama-server reads the GGUF and the tokenizer
+    drafter_path = (resolve_models(target, drafter, quiet=True, backend="llamacpp")[1]
+                    if any(map(is_dflash_peer, methods)) else None)
     return LlamaCppPeer(files.folder, drafter_path, torch.get_num_threads(), block_size,
                         Path(gguf) if gguf else files.gguf)
 

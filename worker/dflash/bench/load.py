@@ -103,7 +103,7 @@ def start_llama_server(args, tmp: str, slots: int):
     from dflash.bench.llamacpp import LlamaServer, ensure_built
     from dflash.model_files import resolve_target
 
-    files = resolve_target(args.target, quiet=True)
+    files = resolve_target(args.target, quiet=True, backend="llamacpp")  # llama-server reads the GGUF alone
     if files.gguf is None:
         raise SystemExit(f"dflash.bench.load: --against-llama-server needs a target with a GGUF; {files.folder} has none")
     ensure_built()

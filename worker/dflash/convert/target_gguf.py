@@ -5,7 +5,16 @@ transformers loads a GGUF of the architectures it knows (qwen2, llama, ... see
 it to fp32; we do that once per file and save the result as a plain folder (safetensors,
 config, tokenizer with its chat template), so later loads take seconds and need no GGUF
 code. The hf backend runs that folder; the llamacpp backend runs the GGUF itself and
-borrows the folder's tokenizer, embedding and head.
+borrows the folder's tokenizer (and, for a drafter or a head, the embedding and LM head).
+
+A backend that runs the file as it is (llamacpp) needs no weights in the folder: then only
+the tokenizer and config are written (`weights=False`: seconds and megabytes), and the
+embedding and head are read from the GGUF where something borrows them
+(dflash.engine.target.hf_files). A folder without weights is made whole in place when a
+backend asks for them. The fp32 weights take four bytes a parameter on disk and more while
+transformers makes them, so a file too large for this machine's memory or the cache's
+disk is refused before anything is loaded (`too_big`), naming what it needs; a model that
+large runs in llama.cpp only.
 
 Before anything is loaded the file's header is read: a file that is not GGUF, is cut short
 (a tensor's data past the end) or holds an architecture transformers cannot load is refused
@@ -62,6 +71,7 @@ class TargetHeader:
     hidden_size: int | None
     vocab_size: int | None
     name: str | None
+    parameters: int  # every tensor's elements
 
 
 def read_header(path: Path) -> TargetHeader:
@@ -90,7 +100,41 @@ def read_header(path: Path) -> TargetHeader:
     tokens = field_value(reader, gguf.Keys.Tokenizer.LIST)
     return TargetHeader(str(arch), field_value(reader, f"{arch}.block_count"),
                         field_value(reader, f"{arch}.embedding_length"), len(tokens) if tokens is not None else None,
-                        field_value(reader, gguf.Keys.General.NAME))
+                        field_value(reader, gguf.Keys.General.NAME), sum(int(t.n_elements) for t in reader.tensors))
+
+
+# A conversion's peak memory: this many bytes per fp32 byte of weights, plus a base (the
+# interpreter, torch, transformers, the file's reader and one tensor in flight); an upper
+# bound of the named models' peaks (docs/models.md).
+CONVERSION_PEAK = 1.25
+CONVERSION_BASE = 2 << 30
+
+
+def available_memory() -> int:
+    """Bytes of memory the kernel says a new allocation can have (MemAvailable)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return sys.maxsize  # not Linux: not checked
+
+
+def too_big(header: TargetHeader, out: Path) -> str | None:
+    """Why the fp32 conversion of a file with this header cannot be made here (None: it can):
+    its peak memory above what is available, or its folder above the free disk under `out`."""
+    weights = 4 * header.parameters
+    need, have = int(CONVERSION_PEAK * weights) + CONVERSION_BASE, available_memory()
+    if need > have:
+        return (f"its fp32 conversion (for the hf and ort backends) needs about {need / 2**30:.1f} GiB of memory, "
+                f"{have / 2**30:.1f} GiB are available")
+    parent = next((p for p in (out, *out.parents) if p.exists()), Path("/"))
+    free = shutil.disk_usage(parent).free
+    if weights > free:
+        return (f"its fp32 conversion (for the hf and ort backends) takes {weights / 2**30:.1f} GiB of disk, "
+                f"{free / 2**30:.1f} GiB are free under {parent}")
+    return None
 
 
 def _architecture_only(path: Path) -> str | None:
@@ -122,15 +166,27 @@ def _stamp(path: Path) -> dict:
     return {"gguf": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(path)}
 
 
-def is_current(folder: Path, gguf: Path) -> bool:
-    """Whether `folder` is a finished conversion of the file `gguf` is now (a marker without the
-    file's stamp, as the first releases wrote for the embedded default, counts as current).
+def has_weights(folder: Path) -> bool:
+    """Whether a target folder holds the weights: False only for one converted from a GGUF
+    with its tokenizer and config alone (a user's own folder is taken as it is)."""
+    try:
+        return json.loads((Path(folder) / MARKER).read_text()).get("weights", True) is not False
+    except (OSError, ValueError):
+        return True
+
+
+def is_current(folder: Path, gguf: Path, weights: bool = False) -> bool:
+    """Whether `folder` is a finished conversion of the file `gguf` is now, with the weights
+    where `weights` asks for them (a marker without the file's stamp, as the first releases
+    wrote for the embedded default, counts as current).
     The same bytes at another path or time count too: a packaged model's copy in another
     virtual environment must not convert the folder again, which would also leave the ONNX
     exports made from it behind (their key holds the folder's files)."""
     try:
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):
+        return False
+    if weights and marker.get("weights", True) is False:
         return False
     if "size" not in marker:
         return True
@@ -142,16 +198,20 @@ def is_current(folder: Path, gguf: Path) -> bool:
 
 def convert_target(gguf: Path, out: Path, source: str, quiet: bool = False, weights: bool = True) -> Path:
     """`gguf` as a Hugging Face folder at `out` (once; returns `out`). `weights=False`: the
-    tokenizer and config only (what a remote backend needs of the served model; seconds,
-    not minutes, and megabytes, not gigabytes)."""
+    tokenizer and config at least (what llama.cpp and a remote backend need of the model;
+    seconds, not minutes, and megabytes, not gigabytes): a folder made whole is kept."""
     gguf = Path(gguf)
-    if (out / MARKER).is_file() and is_current(out, gguf):
+    if (out / MARKER).is_file() and is_current(out, gguf, weights):
         return out
     header = read_header(gguf)
     known = loadable_architectures()
     if header.architecture not in known:
         raise DFlashError("bad_target", f"{gguf}: architecture '{header.architecture}' cannot be run as a target "
                           f"(transformers reads GGUF targets of: {', '.join(sorted(known))})")
+    why = too_big(header, out) if weights else None
+    if why is not None:
+        raise DFlashError("bad_target", f"{gguf} ({header.parameters / 1e9:.1f} B parameters): {why}; "
+                                        "--target-backend llamacpp runs the file as it is")
     import torch
     from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -192,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
-        files = resolve_target(args.target, quiet=True)
+        # llama.cpp alone reads a GGUF target as it is (no fp32 conversion: model_files.resolve_target)
+        only_llamacpp = bool(args.backends) and set(args.backends.split(",")) - {""} == {"llamacpp"}
+        files = resolve_target(args.target, quiet=True, backend="llamacpp" if only_llamacpp else None)
         default = files.folder.resolve() == default_target_dir().resolve()
         backends = [b for b in (args.backends or (DEFAULT_BACKENDS if default else other_target_backends())).split(",")
                     if b]

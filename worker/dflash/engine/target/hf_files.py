@@ -1,6 +1,9 @@
 """What a quantized backend takes from the target's Hugging Face folder: the config, the
 tokenizer, the stop ids, and the embedding and LM head that the drafter borrows (fp32, as
-stored: the same values the quantized weights were made from; read at their first use)."""
+stored: the same values the quantized weights were made from; read at their first use).
+A folder converted from a GGUF without its weights (dflash.convert.target_gguf) lends the
+embedding and head of the GGUF the backend runs, dequantized as transformers does it (the
+same fp32 values the folder would hold)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dflash.engine.target.protocol import TargetDefaults
@@ -16,6 +20,7 @@ from dflash.errors import DFlashError
 
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+GGUF_NAMES = {EMBED: "token_embd.weight", HEAD: "output.weight"}  # llama.cpp's names of the same tensors
 
 
 @dataclass
@@ -26,12 +31,19 @@ class HFSide:
     folder: Path
     embed_shape: tuple[int, int]  # [V, H]
     head_shape: tuple[int, int]  # [V, H] (the embedding's when tied)
+    gguf: Path | None = None  # where the embedding and head are read from, where the folder has no weights
 
     # The embedding and head are read at their first use, not at load: only a drafter or a
     # next-token head borrows them, and a large vocabulary's are most of a GB in fp32.
     @cached_property
     def _weights(self) -> dict[str, torch.Tensor]:
-        return read_tensors(self.folder, (EMBED, HEAD))
+        if self.gguf is None:
+            return read_tensors(self.folder, (EMBED, HEAD))
+        got = read_gguf_tensors(self.gguf, (EMBED, HEAD))
+        if EMBED not in got or tuple(got[EMBED].shape) != tuple(self.embed_shape):
+            raise DFlashError("bad_target", f"{self.gguf}: its {GGUF_NAMES[EMBED]} is not the [{self.embed_shape[0]}, "
+                                            f"{self.embed_shape[1]}] embedding {self.folder}'s config describes")
+        return got
 
     @property
     def embed(self) -> torch.Tensor:
@@ -78,9 +90,23 @@ def read_tensors(folder: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor
     return {name: sf.get_tensor(name).float() for name, sf in _stored(folder, names)}
 
 
+def read_gguf_tensors(path: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The named tensors (by their Hugging Face names) a GGUF file holds, dequantized to fp32."""
+    import gguf
+
+    from dflash.convert.gguf_file import open_gguf
+
+    stored = {t.name: t for t in open_gguf(Path(path), code="bad_target").tensors}
+    return {name: torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type),
+                                                        dtype=np.float32))
+            for name in names if (t := stored.get(GGUF_NAMES[name])) is not None}
+
+
 def read_hf_side(hf_dir: Path, backend: str, model_file: Path, what: str) -> HFSide:
     """The Hugging Face side of a backend that runs `model_file` (a `what`), both checked."""
     from transformers import AutoConfig, AutoTokenizer
+
+    from dflash.convert.target_gguf import has_weights, is_gguf
 
     hf_dir = Path(hf_dir)
     if not Path(model_file).is_file():
@@ -91,6 +117,13 @@ def read_hf_side(hf_dir: Path, backend: str, model_file: Path, what: str) -> HFS
     cfg = AutoConfig.from_pretrained(hf_dir)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     shapes = tensor_shapes(hf_dir, (EMBED, HEAD))
+    lender = None
+    if EMBED not in shapes and is_gguf(Path(model_file)) and not has_weights(hf_dir):
+        # the tokenizer and config alone: the GGUF lends the embedding and head (their shapes
+        # are the config's, checked when they are read, as a large vocabulary takes the gguf
+        # reader seconds to list)
+        lender = Path(model_file)
+        shapes = {EMBED: (cfg.vocab_size, cfg.hidden_size)}
     if EMBED not in shapes:
         raise DFlashError("bad_target", f"{hf_dir} holds no {EMBED}")
     tokenizer = AutoTokenizer.from_pretrained(hf_dir) if (hf_dir / "tokenizer_config.json").exists() else None
@@ -98,4 +131,4 @@ def read_hf_side(hf_dir: Path, backend: str, model_file: Path, what: str) -> HFS
     eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
     eos = eos if eos is not None else getattr(cfg, "eos_token_id", None)
     return HFSide(cfg, tokenizer, sorted({eos} if isinstance(eos, int) else set(eos or [])), hf_dir,
-                  shapes[EMBED], shapes.get(HEAD, shapes[EMBED]))
+                  shapes[EMBED], shapes.get(HEAD, shapes[EMBED]), lender)
