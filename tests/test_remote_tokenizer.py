@@ -21,6 +21,11 @@ def answer_two_tokens(h, body, n):
     Fake.stream(h, llama_tokens(2))
 
 
+def answer_two_openai_tokens(h, body, n):
+    Fake.stream(h, [{"choices": [{"index": 0, "text": f" t{i}", "token_ids": [1000 + i],
+                                  "finish_reason": "length" if i == 1 else None}]} for i in range(2)] + [b"[DONE]"])
+
+
 def test_an_agreeing_server_is_checked_and_serves(fake, smol_dir):  # noqa: F811
     f = fake(answer_two_tokens)
     engine = remote_engine(f.url, smol_dir)
@@ -57,13 +62,20 @@ def test_other_special_token_ids_are_refused(fake, smol_dir, smol_tokenize):  # 
     assert e.value.code == "bad_target" and len(f.tokenize_bodies) == 2
 
 
-def test_a_server_without_tokenize_is_served_unchecked_and_says_so(fake, smol_dir, caplog):  # noqa: F811
-    f = fake(answer_two_tokens, tokenize=None)
+@pytest.mark.parametrize("kind", ["llama.cpp", "openai"])
+def test_a_server_without_tokenize_gets_text_and_says_so(fake, smol_dir, caplog, kind):  # noqa: F811
+    """Its tokenizer cannot be checked: the prompt goes as text (the served model's own
+    tokenizer reads it; ids might be another vocabulary's), and the answer's ids are the
+    server's."""
+    answer = answer_two_tokens if kind == "llama.cpp" else answer_two_openai_tokens
+    f = fake(answer, kind=kind, tokenize=None)
     with caplog.at_level(logging.WARNING, logger="dflash.remote"):
         engine = remote_engine(f.url, smol_dir)
-    assert "has no /tokenize" in caplog.text
+    assert "has no /tokenize" in caplog.text and "as text" in caplog.text
     assert engine.status()["tokenizer_checked"] is False  # and status says so, for as long as it serves
     assert generate(engine, max_new_tokens=2).output_ids == [1000, 1001]
+    sent = f.bodies[0]["prompt"]
+    assert isinstance(sent, str) and "Write a haiku about databases" in sent and "<|im_start|>" in sent
 
 
 def test_a_malformed_tokenize_answer_is_an_endpoint_error(fake, smol_dir):  # noqa: F811

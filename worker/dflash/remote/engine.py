@@ -166,7 +166,10 @@ class RemoteEngine(RequestChecks):
         self.max_batch = 1  # set by the scheduler; the endpoint batches on its own
         self.arrived = threading.Condition()
         self.live: dict[int, RemoteState] = {}  # the states whose streams are open, by id
-        self.prompt_as_text = False  # the endpoint refused a prompt of token ids once: send text
+        # Text, not token ids, where the endpoint refused ids once, or where its tokenizer could
+        # not be checked: ids of another vocabulary would be read as other words (garbage with
+        # no error), while text is read by the served model's own tokenizer.
+        self.prompt_as_text = not tokenizer_checked
 
     # --- what the worker reads ---------------------------------------------------------------
 
@@ -222,7 +225,7 @@ class RemoteEngine(RequestChecks):
                 "top_p": params.top_p, "seed": params.seed, "stop": list(req.stop), "stop_ids": list(req.stop_ids)}
         body = self.dialect.body(prompt_ids, opts)
         text_body = None
-        if self.dialect.text_fallback:  # the same prompt as text, special tokens and all
+        if self.dialect.text_fallback or self.prompt_as_text:  # the same prompt as text, special tokens and all
             text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
             if self.text_keeps_turns(prompt_ids, text):
                 text_body = self.dialect.body(prompt_ids, opts, text)
@@ -384,7 +387,7 @@ def check_tokenizer(endpoint: Endpoint, dialect, tokenizer, source) -> bool:
     """The ids sent are the served model's only if its tokenizer is ours: the server's
     /tokenize must give our ids for a probe text and for that text in our chat template
     (its markup: the special tokens' ids). A difference is bad_target; a server without
-    /tokenize cannot be checked (logged; False)."""
+    /tokenize cannot be checked (logged; False: the engine then sends text)."""
     probes = [TOKENIZER_PROBE]
     if getattr(tokenizer, "chat_template", None):
         probes.append(tokenizer.apply_chat_template([{"role": "user", "content": TOKENIZER_PROBE}],
@@ -393,7 +396,8 @@ def check_tokenizer(endpoint: Endpoint, dialect, tokenizer, source) -> bool:
         served = served_ids(endpoint, dialect, text)
         if served is None:
             log.warning("the inference endpoint %s has no /tokenize: cannot check that the tokenizer of %s is the "
-                        "served model's", endpoint.url, source)
+                        "served model's, so prompts go to it as text (its own tokenizer reads them)", endpoint.url,
+                        source)
             return False
         ours = tokenizer(text, add_special_tokens=False).input_ids
         if served != ours:
