@@ -207,6 +207,25 @@ def test_forced_drafts_are_kept_every_time(tiny_text_engine, temperature):
         assert res.output_ids == reference(tiny_text_engine, res.prompt_ids, {"json_schema": TICKET}, 60)
 
 
+def test_certain_drafts_are_left_out_of_the_rate_and_the_calibration(tiny_text_engine):
+    """The forced proposer alone: every draft it makes is certain (the grammar allows nothing
+    else), so for the policy's rate each step counts as the plain step that found its one other
+    token, and no calibration learns from certain tokens (step.py passes the rest only)."""
+    engine = tiny_text_engine
+    state = engine.start(GenerationRequest(prompt="Ticket:", json_schema=TICKET, proposers=("forced",),
+                                           max_new_tokens=60))
+    policy, observed = state.policy, []
+    observe = policy.observe
+    policy.observe = lambda offer, *rest: (observed.append(offer), observe(offer, *rest))  # noqa: E731
+    while not state.done:
+        engine.step([state])
+    res = engine.finish(state)
+    drafted = [o for o in observed if o is not None]
+    assert drafted and res.stats.forced_tokens >= 3 * len(drafted)
+    assert policy.tokens == len(observed)  # one found token a step, however many forced ones came with it
+    assert all(e.calibration.outcomes == 0 for e in policy.estimates.values() if hasattr(e, "calibration"))
+
+
 def test_the_forced_proposer_joins_constrained_auto_requests_only(tiny_text_engine):
     proposer = tiny_text_engine.proposer("forced")
     assert proposer is not None and "forced" in tiny_text_engine.status()["proposers"]

@@ -212,13 +212,11 @@ def test_calibration_learns_an_overconfident_drafter():
     assert policy.verify_length([0.95] * 7) == 1
 
 
-def test_certain_drafts_are_counted_kept_and_left_out_of_the_rate():
+def test_certain_drafts_are_priced_as_kept():
     """A grammar's forced run (`Draft.certain`) is kept whatever the calibration says of its
-    confidences, and a step of it counts, for the rate that prices rows, as the plain step
-    that found its one other token: a JSON answer's keys must not make its values' drafts
-    look dear."""
+    confidences. (That the rate and the calibration leave it out is the step's part:
+    tests/test_constrained.py.)"""
     from dflash.engine.calibration import PointMass
-    from dflash.engine.proposers.protocol import Draft, RunningPrice
 
     # a row costs 0.6 of a plain step: a point mass of unknown trust (half its confidence) is not worth one
     dear = CostCurve(verify_s=[1.0 + 0.6 * i for i in range(8)], draft_s=[0.0] * 8)
@@ -227,18 +225,6 @@ def test_certain_drafts_are_counted_kept_and_left_out_of_the_rate():
     assert policy.ready_verify("p", conf) == (1, pytest.approx(0.0))
     L, value = policy.ready_verify("p", conf, certain=3)
     assert L == 4 and value == pytest.approx(4 - 2.8)
-
-    def step(certain: int) -> Offer:
-        offer = Offer("p", None, Draft(torch.arange(3), None, [1.0] * 3, certain), RunningPrice(0.0))
-        policy.observe(offer, [1.0] * 3, 4, 3, 1)
-        return offer
-
-    step(3)  # 4 tokens, one of them found, at a plain step's price
-    assert (policy.tokens, policy.cost) == (1.0, 1.0) and policy.rate == pytest.approx(1.0)
-    assert policy.estimates["p"].calibration.outcomes == 0  # nothing to learn from certain tokens
-    step(1)  # two found drafts and the target's token, at the price of 3 rows
-    assert (policy.tokens, policy.cost) == (4.0, pytest.approx(3.2))
-    assert policy.estimates["p"].calibration.outcomes == 2
 
 
 def test_prior_from_counts_is_capped_and_falls_back():

@@ -319,16 +319,14 @@ class BlockPolicy:
 
     def observe(self, offer, confidences: list[float], verify_len: int, accepted: int, draft_len: int) -> None:
         """A step's outcome: `offer` (None: a plain step) verified `verify_len` tokens and kept
-        `accepted` drafts; `draft_len`: the positions its drafter computed (1: none)."""
+        `accepted` drafts; `draft_len`: the positions its drafter computed (1: none). Of a
+        ready offer with certain drafts, the step passes the rest only (step.py)."""
         committed = accepted + 1
         estimate = self.estimates[offer.name] if offer is not None else None
         if estimate is not None and not estimate.deferred:  # for the drafter's schedule, a plain step
-            # Its certain drafts are kept whatever is chosen: the rate counts what the step found
-            # at what it would have cost without their rows, and the calibration learns from the rest.
-            k = min(offer.draft.certain, verify_len - 1)
-            self.tokens += committed - k
-            self.cost += self.prices.verify_s[verify_len - 1 - k] + offer.price.s
-            estimate.record(confidences[k:], verify_len - k, accepted - k, draft_len)
+            self.tokens += committed
+            self.cost += self.prices.verify_s[verify_len - 1] + offer.price.s
+            estimate.record(confidences, verify_len, accepted, draft_len)
             self.plain_run += 1
             return
         self.tokens += committed

@@ -296,9 +296,13 @@ def _verify_commit(engine, p: _Plan, out, i: int, union: tuple[int, ...], draft_
     state.stats.record(p.draft_list, accepted, p.name, positional=p.offer is None or p.deferred)
     state.stats.forced_tokens += min(accepted, p.certain)
     if state.policy is not None:
-        state.policy.observe(p.offer, p.confidence, verify_len, accepted, p.draft_len)
+        # The grammar's certain drafts are kept whatever was chosen: the policy and the proposer
+        # learn from the rest, as if the step had verified that alone (a JSON answer's keys
+        # must not make its values' drafts look dear, nor teach a calibration anything).
+        k = p.certain
+        state.policy.observe(p.offer, p.confidence[k:], verify_len - k, accepted - k, p.draft_len)
         if p.offer is not None:
-            p.offer.source.outcome(state, p.offer, p.confidence, verify_len, accepted)
+            p.offer.source.outcome(state, p.offer, p.confidence[k:], verify_len - k, accepted - k)
     # The anchor and the kept drafts are now in the target's cache; their features are
     # what the proposers reading features see next.
     engine.target.rollback(state.seq, start + accepted + 1)

@@ -123,7 +123,8 @@ class Proposer(Protocol):
 
     def outcome(self, state: "DecodeState", offer: Offer, confidence: list[float], verify_len: int,
                 accepted: int) -> None:
-        """A chosen offer was verified: `verify_len` tokens, `accepted` drafts kept."""
+        """A chosen offer was verified: `verify_len` tokens, `accepted` drafts kept (past its
+        certain drafts, which the step leaves out: `Draft.certain`)."""
 
     def status(self) -> dict | None:
         """What the worker's status shows of it (None: nothing)."""

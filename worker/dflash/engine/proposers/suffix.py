@@ -94,9 +94,8 @@ class SuffixProposer(BaseProposer):
 
     def outcome(self, state, offer, confidences: list[float], verify_len: int, accepted: int) -> None:
         """A chain was verified: its workload's pooled calibration learns from it (past the
-        forced run it started with, if any: those are certain)."""
-        k = min(offer.draft.certain, verify_len - 1)
-        self.learn(state.workload, confidences[k:], verify_len - k, accepted - k)
+        forced run it started with, if any, which the step leaves out: those are certain)."""
+        self.learn(state.workload, confidences, verify_len, accepted)
 
     def start(self, state) -> SuffixState:
         own = SuffixIndex()
