@@ -16,7 +16,7 @@ from dflash.train.blockwise import forward_blocks
 from dflash.train.objective import build_blocks, sample_anchors, slot_weights
 from dflash.train.pipeline import drafter_config_for, init_from_target
 from dflash.train.trainer import TrainConfig, train
-from tests.conftest import make_tiny_target, tiny_drafter_config
+from tests.conftest import make_tiny_target, tiny_drafter_config, unavailable
 
 
 def test_blocks_mask_labels_and_weights():
@@ -63,6 +63,30 @@ def test_benchmark_prompts_are_excluded():
     excluded = excluded_prompts()
     assert "Explain what a database index is and when it helps." in excluded
     assert not excluded & set(collect_prompts())
+
+
+def test_answers_on_a_backend_without_generate_are_its_plain_greedy_output(tmp_path, smol_dir):
+    """A target that has no transformers generate (llama.cpp here) answers through the
+    engine's plain decoding on its own backend, batched: each answer is what that backend
+    decodes for the prompt alone, cut at its end of turn (next_head --prompts on a CPU)."""
+    from dflash.engine.target import llamacpp
+    from dflash.loading import load_target
+    from dflash.model_files import default_target_gguf
+    from dflash.train.data import regenerate
+
+    if not llamacpp.available():
+        unavailable("llama-cpp-python", "not installed (make setup)")
+    target = load_target(smol_dir, "llamacpp", gguf=default_target_gguf())
+    prompts = ["Name a colour.", "Write a haiku about tables.", "What is 2 + 2?"]
+    regenerate(target, prompts, tmp_path / "answers.jsonl", max_new_tokens=24, batch_size=2)
+    records = load_records(tmp_path / "answers.jsonl")
+    assert sorted(r["prompt"] for r in records) == sorted(prompts)
+    plain = Engine(target, None, "none")
+    for r in records:
+        alone = plain.generate(GenerationRequest(input_ids=r["prompt_ids"], max_new_tokens=24, block_size=1)).output_ids
+        ends = [i for i, t in enumerate(alone) if t in target.eos_ids]
+        assert r["response_ids"] == (alone[: ends[0] + 1] if ends else alone)
+    target.close()
 
 
 def test_training_lowers_loss_and_round_trips(tmp_path, smol_dir):

@@ -101,17 +101,19 @@ def sole_writer(path: Path):
 def regenerate(target, prompts: Iterable[str], out: Path, max_new_tokens: int = 256, batch_size: int = 8,
                chat: bool = True, deadline: float | None = None, window: int = 0, before_batch=None) -> int:
     """Append {"prompt", "prompt_ids", "response_ids"} per prompt to `out` (JSONL); skips
-    prompts already there. Greedy, batched with left padding, each row stopped at eos.
+    prompts already there. Greedy, batched, each row stopped at eos: by transformers' generate
+    (left padding) for the hf backend, else by the engine's plain decoding on the target's own
+    backend (the answers it gives, at its speed: ONNX Runtime or llama.cpp on a CPU).
     `window` > batch_size sorts each window of that many prompts by length before batching.
     `deadline` (time.monotonic()) stops between batches; a later call resumes.
     `before_batch()` is called before each batch (e.g. to adapt the thread count)."""
     tok = target.tokenizer
+    answer = _hf_answers if hasattr(getattr(target, "model", None), "generate") else _engine_answers
     out.parent.mkdir(parents=True, exist_ok=True)
     with sole_writer(out):  # two jobs on one file would answer the same prompts twice
         _drop_cut_line(out)
         done = done_prompts(out)
         todo = [p for p in dict.fromkeys(prompts) if p not in done]
-        pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_ids[0]
 
         def encode(p: str) -> list[int]:
             if chat:
@@ -127,13 +129,8 @@ def regenerate(target, prompts: Iterable[str], out: Path, max_new_tokens: int = 
                 if before_batch is not None:
                     before_batch()
                 batch, ids = [todo[i] for i in batch_idx], [encoded[i] for i in batch_idx]
-                width = max(map(len, ids))
-                input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=target.device)
-                mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=target.device)
-                gen = target.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                            do_sample=False, eos_token_id=target.eos_ids, pad_token_id=pad)
                 lines = []
-                for prompt, prompt_ids, row in zip(batch, ids, gen[:, width:].tolist()):
+                for prompt, prompt_ids, row in zip(batch, ids, answer(target, ids, max_new_tokens)):
                     resp = []
                     for t in row:
                         resp.append(t)
@@ -145,6 +142,30 @@ def regenerate(target, prompts: Iterable[str], out: Path, max_new_tokens: int = 
                 written += len(batch)
                 bar.update(len(batch))
     return written
+
+
+def _hf_answers(target, ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate of a batch, left-padded."""
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_ids[0]
+    width = max(map(len, ids))
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=target.device)
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=target.device)
+    gen = target.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                do_sample=False, eos_token_id=target.eos_ids, pad_token_id=pad)
+    return gen[:, width:].tolist()
+
+
+def _engine_answers(target, ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The engine's plain greedy decoding of a batch on the target's backend (one step serves
+    every row; no proposer: the answers are the backend's greedy output either way)."""
+    from dflash.engine.engine import Engine, GenerationRequest
+
+    engine = getattr(target, "_plain_engine", None)
+    if engine is None:
+        engine = target._plain_engine = Engine(target, None, "none")
+    reqs = [GenerationRequest(input_ids=x, max_new_tokens=max_new_tokens, block_size=1, proposers=()) for x in ids]
+    return [r.output_ids for r in engine.generate_many(reqs)]
 
 
 def load_records(path: Path) -> list[dict]:
