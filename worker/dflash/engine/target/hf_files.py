@@ -94,19 +94,20 @@ def read_gguf_tensors(path: Path, names: tuple[str, ...]) -> dict[str, torch.Ten
     """The named tensors (by their Hugging Face names) a GGUF file holds, dequantized to fp32."""
     import gguf
 
-    from dflash.convert.gguf_file import open_gguf
-
-    stored = {t.name: t for t in open_gguf(Path(path), code="bad_target").tensors}
+    try:
+        stored = {t.name: t for t in gguf.GGUFReader(Path(path)).tensors}
+    except Exception as exc:  # noqa: BLE001 (the reader raises its own types for a broken file)
+        raise DFlashError("bad_target", f"cannot read the embedding and LM head of {path}: {exc}") from None
     return {name: torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type),
                                                         dtype=np.float32))
             for name in names if (t := stored.get(GGUF_NAMES[name])) is not None}
 
 
-def read_hf_side(hf_dir: Path, backend: str, model_file: Path, what: str) -> HFSide:
-    """The Hugging Face side of a backend that runs `model_file` (a `what`), both checked."""
+def read_hf_side(hf_dir: Path, backend: str, model_file: Path, what: str, gguf: Path | None = None) -> HFSide:
+    """The Hugging Face side of a backend that runs `model_file` (a `what`), both checked.
+    `gguf`: the GGUF file the backend runs, which lends the embedding and head where the
+    folder holds no weights (a GGUF target converted for llama.cpp alone)."""
     from transformers import AutoConfig, AutoTokenizer
-
-    from dflash.convert.target_gguf import has_weights, is_gguf
 
     hf_dir = Path(hf_dir)
     if not Path(model_file).is_file():
@@ -118,11 +119,11 @@ def read_hf_side(hf_dir: Path, backend: str, model_file: Path, what: str) -> HFS
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     shapes = tensor_shapes(hf_dir, (EMBED, HEAD))
     lender = None
-    if EMBED not in shapes and is_gguf(Path(model_file)) and not has_weights(hf_dir):
+    if EMBED not in shapes and gguf is not None and not list(hf_dir.glob("*.safetensors")):
         # the tokenizer and config alone: the GGUF lends the embedding and head (their shapes
         # are the config's, checked when they are read, as a large vocabulary takes the gguf
         # reader seconds to list)
-        lender = Path(model_file)
+        lender = Path(gguf)
         shapes = {EMBED: (cfg.vocab_size, cfg.hidden_size)}
     if EMBED not in shapes:
         raise DFlashError("bad_target", f"{hf_dir} holds no {EMBED}")

@@ -115,7 +115,7 @@ class LlamaCppTarget(BorrowedHead):
         C, self._set_inp, self._get_inp = _binding()
         self._C = C
         gguf, hf_dir = Path(gguf), Path(hf_dir)
-        side = read_hf_side(hf_dir, "llama.cpp", gguf, "GGUF file")
+        side = read_hf_side(hf_dir, "llama.cpp", gguf, "GGUF file", gguf=gguf)
         cfg = side.config
         mp = C.llama_model_default_params()
         mp.n_gpu_layers = 0
