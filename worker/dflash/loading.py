@@ -196,13 +196,12 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     import torch
 
     from dflash.convert import onnx_gguf, onnx_q41
+    from dflash.convert.target_gguf import has_weights
     from dflash.convert.onnx_target import BUILD as onnx_target_build
     from dflash.convert.onnx_target import INT4_BUILD, ensure_export, is_current
     from dflash.engine.dtypes import DTYPES
     from dflash.engine.target import llamacpp, ort, probe
     from dflash.model_files import onnx_export_dir
-
-    from dflash.convert.target_gguf import has_weights
 
     cpu32 = None if device == "cpu" and dtype == "float32" else f"it runs float32 on a CPU (asked: {dtype} on {device})"
     # A GGUF target converted for llama.cpp alone (dflash.model_files.resolve_target) has no

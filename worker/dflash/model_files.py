@@ -384,7 +384,7 @@ def resolve_target(target: str | Path | None, quiet: bool = False, backend: str 
     which runs the file as it is and takes the tokenizer and config alone; `auto` takes the
     weights where their conversion fits this machine, else runs the file in llama.cpp alone
     (dflash.convert.target_gguf.too_big). A named model's folder is always whole."""
-    from dflash.convert.target_gguf import convert_target, is_current, is_gguf, read_header, too_big
+    from dflash.convert.target_gguf import convert_target, is_current, is_gguf
 
     if target is None:
         target = DEFAULT_TARGET_NAME
@@ -399,16 +399,31 @@ def resolve_target(target: str | Path | None, quiet: bool = False, backend: str 
         name = folder.name if folder.name in MODELS else None
         weights = name is not None or backend != "llamacpp"
         if weights and backend == "auto" and not is_current(folder, path, weights=True):
-            why = too_big(read_header(path), folder)
-            if why is not None:
-                say(f"{path.name}: {why}: it runs in llama.cpp as it is (the only candidate of auto)")
-                weights = False
+            weights = not _too_big_here(path, folder)
         return TargetFiles(convert_target(path, folder, str(path.resolve()), quiet, weights), path, name)
     if str(target) in MODELS:
         folder = ensure_target(str(target), quiet)
         return TargetFiles(folder, model_gguf(str(target)) if installed(str(target)) else None, str(target))
     raise DFlashError("bad_target", f"--target {target}: no such folder or file, nor a model name (known: "
                       f"{', '.join(MODELS)})")
+
+
+_TOO_BIG: dict[tuple, bool] = {}  # per file as it is now: a command resolves its target more than once
+
+
+def _too_big_here(path: Path, folder: Path) -> bool:
+    """Whether the fp32 conversion of the GGUF `path` does not fit this machine (said once a
+    process: reading the header of a large vocabulary takes seconds)."""
+    from dflash.convert.target_gguf import read_header, too_big
+
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _TOO_BIG:
+        why = too_big(read_header(path), folder)
+        if why is not None:
+            say(f"{path.name}: {why}: it runs in llama.cpp as it is (the only candidate of auto)")
+        _TOO_BIG[key] = why is not None
+    return _TOO_BIG[key]
 
 
 def random_drafter_config(target_dir: Path) -> dict:
