@@ -196,9 +196,9 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     import torch
 
     from dflash.convert import onnx_gguf, onnx_q41
-    from dflash.convert.target_gguf import has_weights
     from dflash.convert.onnx_target import BUILD as onnx_target_build
     from dflash.convert.onnx_target import INT4_BUILD, ensure_export, is_current
+    from dflash.convert.target_gguf import has_weights
     from dflash.engine.dtypes import DTYPES
     from dflash.engine.target import llamacpp, ort, probe
     from dflash.model_files import onnx_export_dir
