@@ -108,7 +108,7 @@ def regenerate(target, prompts: Iterable[str], out: Path, max_new_tokens: int = 
     `deadline` (time.monotonic()) stops between batches; a later call resumes.
     `before_batch()` is called before each batch (e.g. to adapt the thread count)."""
     tok = target.tokenizer
-    answer = _hf_answers if hasattr(getattr(target, "model", None), "generate") else _engine_answers
+    answer = _hf_answers if hasattr(getattr(target, "model", None), "generate") else _engine_answers(target)
     out.parent.mkdir(parents=True, exist_ok=True)
     with sole_writer(out):  # two jobs on one file would answer the same prompts twice
         _drop_cut_line(out)
@@ -156,16 +156,19 @@ def _hf_answers(target, ids: list[list[int]], max_new_tokens: int) -> list[list[
     return gen[:, width:].tolist()
 
 
-def _engine_answers(target, ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def _engine_answers(target):
     """The engine's plain greedy decoding of a batch on the target's backend (one step serves
     every row; no proposer: the answers are the backend's greedy output either way)."""
     from dflash.engine.engine import Engine, GenerationRequest
 
-    engine = getattr(target, "_plain_engine", None)
-    if engine is None:
-        engine = target._plain_engine = Engine(target, None, "none")
-    reqs = [GenerationRequest(input_ids=x, max_new_tokens=max_new_tokens, block_size=1, proposers=()) for x in ids]
-    return [r.output_ids for r in engine.generate_many(reqs)]
+    engine = Engine(target, None, "none")
+
+    def answer(_target, ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        reqs = [GenerationRequest(input_ids=x, max_new_tokens=max_new_tokens, block_size=1, proposers=())
+                for x in ids]
+        return [r.output_ids for r in engine.generate_many(reqs)]
+
+    return answer
 
 
 def load_records(path: Path) -> list[dict]:
