@@ -149,11 +149,13 @@ def test_unknown_name_and_missing_target(cache):
 
 
 def _tiny_gguf(path: Path, arch: str = "llama", tokens: tuple[str, ...] = ("a", "b", "c"), rows: int = 3,
-               file_type=None, merges: tuple[str, ...] = ()) -> Path:
+               file_type=None, merges: tuple[str, ...] = (), causal: bool | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(path, arch)
     if file_type is not None:
         w.add_file_type(file_type)
+    if causal is not None:
+        w.add_causal_attention(causal)
     w.add_block_count(1)
     w.add_embedding_length(8)
     w.add_token_list(list(tokens))
@@ -312,6 +314,84 @@ def test_a_gguf_too_big_to_convert_runs_in_llamacpp_as_it_is(smol_dir, cache, tm
     assert prompt == list(whole.tokenizer("A table of rows")["input_ids"])
     a, b = (t.forward_batch([TargetRow(t.new_sequence(), prompt, 2)]).logits[0] for t in (ours, whole))
     assert torch.equal(a, b)
+
+
+def _relabelled(src: Path, dst: Path, arch: str) -> Path:
+    """`src` under another architecture's name (its keys renamed with it): the same tensors,
+    tokenizer and chat template."""
+    r = gguf.GGUFReader(src)
+    old = r.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    w = gguf.GGUFWriter(dst, arch)
+    for f in r.fields.values():
+        if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
+            continue
+        kind = f.types[0]
+        w.add_key_value(arch + f.name[len(old):] if f.name.startswith(old + ".") else f.name, f.contents(), kind,
+                        sub_type=f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in r.tensors:
+        w.write_tensor_data(t.data)
+    w.close()
+    return dst
+
+
+def test_an_architecture_only_llamacpp_knows_runs_there(smol_dir, cache, tmp_path, capsys):
+    """SmolLM2's GGUF relabelled 'mistral3' (llama.cpp builds that architecture as it builds
+    llama; transformers does not know it): the backends that read weights refuse it naming the
+    architecture, with nothing written; `auto` and llamacpp run the file with the tokenizer
+    transformers builds from its keys and a config of llama.cpp's numbers, and it is the same
+    model: the same prompt ids, stop ids and logits as the original file. A folder whose
+    tokenizer reads text otherwise than llama.cpp does is refused at load; a file that says its
+    attention is not causal (an encoder) is refused on every backend."""
+    import torch
+
+    from dflash.chat import chat_prompt_ids
+    from dflash.convert.target_gguf import has_weights, unknown_architecture
+    from dflash.engine.target import llamacpp
+    from dflash.engine.target.protocol import TargetRow
+    from dflash.loading import load_target, target_builders
+
+    if not llamacpp.available():
+        unavailable("llama-cpp-python", "not installed (make setup)")
+    path = _relabelled(model_files.default_target_gguf(), tmp_path / "own-model.gguf", "mistral3")
+    for backend in ("hf", "ort", None):
+        with pytest.raises(DFlashError) as e:
+            model_files.resolve_target(str(path), quiet=True, backend=backend)
+        msg = e.value.message
+        assert e.value.code == "bad_target" and str(path) in msg and "'mistral3'" in msg and "llamacpp" in msg
+    assert not (cache / "targets").exists() or not any((cache / "targets").iterdir())
+
+    files = model_files.resolve_target(str(path), quiet=True, backend="auto")
+    assert "transformers does not know its architecture 'mistral3'" in capsys.readouterr().err
+    assert unknown_architecture(files.folder) == "mistral3" and not has_weights(files.folder)
+    assert model_files.resolve_target(str(path), quiet=True, backend="llamacpp").folder == files.folder
+    assert "architecture 'mistral3'" in target_builders(files.folder, gguf=path)["hf"].why_not
+    ours = load_target(files.folder, "llamacpp", gguf=path)
+    whole = llamacpp.LlamaCppTarget(model_files.default_target_gguf(), smol_dir, threads=2)
+    prompt = chat_prompt_ids(ours.tokenizer, "Write a haiku about <|im_start|>databases.")
+    assert prompt == chat_prompt_ids(whole.tokenizer, "Write a haiku about <|im_start|>databases.")
+    assert ours.eos_ids == whole.eos_ids and (ours.hidden_size, ours.num_layers) == (whole.hidden_size, whole.num_layers)
+    a, b = (t.forward_batch([TargetRow(t.new_sequence(), prompt, 2)]).logits[0] for t in (ours, whole))
+    assert torch.equal(a, b)
+    ours.close()
+
+    tok = json.loads((files.folder / "tokenizer.json").read_text())
+    tok["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    (files.folder / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(DFlashError) as e:
+        load_target(files.folder, "llamacpp", gguf=path)
+    assert e.value.code == "bad_target" and "tokenises" in e.value.message and str(path) in e.value.message
+
+    encoder = _tiny_gguf(tmp_path / "encoder.gguf", arch="nomic-bert", causal=False)
+    for backend in ("llamacpp", "auto"):
+        with pytest.raises(DFlashError) as e:
+            model_files.resolve_target(str(encoder), quiet=True, backend=backend)
+        assert e.value.code == "bad_target" and "'nomic-bert'" in e.value.message and "causal" in e.value.message
+        assert _nothing_written(model_files.gguf_target_dir(encoder))
 
 
 def test_the_default_target_by_name_path_and_gguf(smol_dir):

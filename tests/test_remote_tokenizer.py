@@ -12,8 +12,9 @@ import shutil
 
 import pytest
 
+from dflash.chat import TOKENIZER_PROBE
 from dflash.errors import DFlashError
-from dflash.remote.engine import TOKENIZER_PROBE, remote_engine
+from dflash.remote.engine import remote_engine
 from tests.test_remote_errors import Fake, fake, generate, llama_tokens, smol_tokenize  # noqa: F401
 
 

@@ -33,3 +33,31 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     except (ValueError, NotImplementedError) as exc:  # a control token its tokenizer also makes from plain text
         raise DFlashError("bad_prompt", f"the prompt cannot be put in this target's chat template as text: {exc}") from None
     return list(ids)
+
+
+# Tokenised by two tokenizers that must agree (a server's and ours; llama.cpp's reading of a
+# GGUF and transformers' conversion of it): words, code, digits, whitespace runs and scripts
+# beyond ASCII, so two vocabularies that share a size (or most entries) still differ.
+TOKENIZER_PROBE = ("def área(r):\n    return 3.14159 * r ** 2  # Größe, naïve café, 東京, Москва 🙂\n\n"
+                   "\tSELECT id, \"name\" FROM t WHERE x >= 12345;   ")
+
+
+def tokenizer_disagreement(tokenizer, their_ids) -> str | None:
+    """Where `their_ids(text)` (another tokenizer's ids of `text`, its special-token text
+    parsed, nothing added; None: it cannot say) differs from `tokenizer` on the probe text
+    and on that text in the tokenizer's chat template (its markup: the special tokens' ids):
+    a sentence saying so, or None where they agree. Raises LookupError where the other
+    cannot say."""
+    probes = [TOKENIZER_PROBE]
+    if getattr(tokenizer, "chat_template", None):
+        probes.append(tokenizer.apply_chat_template([{"role": "user", "content": TOKENIZER_PROBE}],
+                                                    add_generation_prompt=True, tokenize=False))
+    for text in probes:
+        theirs = their_ids(text)
+        if theirs is None:
+            raise LookupError(text)
+        ours = tokenizer(text, add_special_tokens=False).input_ids
+        if theirs != ours:
+            at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+            return f"a probe text: {len(theirs)} ids there, {len(ours)} here, first difference at id {at}"
+    return None

@@ -198,7 +198,7 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     from dflash.convert import onnx_gguf, onnx_q41
     from dflash.convert.onnx_target import BUILD as onnx_target_build
     from dflash.convert.onnx_target import INT4_BUILD, ensure_export, is_current
-    from dflash.convert.target_gguf import has_weights
+    from dflash.convert.target_gguf import has_weights, unknown_architecture
     from dflash.engine.dtypes import DTYPES
     from dflash.engine.target import llamacpp, ort, probe
     from dflash.model_files import onnx_export_dir
@@ -206,9 +206,12 @@ def target_builders(target_dir, device: str = "cpu", dtype: str = "float32", ggu
     cpu32 = None if device == "cpu" and dtype == "float32" else f"it runs float32 on a CPU (asked: {dtype} on {device})"
     # A GGUF target converted for llama.cpp alone (dflash.model_files.resolve_target) has no
     # weights for the others to read or export.
+    unknown = unknown_architecture(target_dir)
     no_weights = None if has_weights(target_dir) else (
         f"{target_dir} holds the tokenizer and config of {Path(gguf).name if gguf else 'a GGUF file'} only "
-        "(llama.cpp runs the file as it is; another backend asked for converts its weights once)")
+        "(llama.cpp runs the file as it is; " + (f"transformers does not know its architecture '{unknown}'"
+                                                 if unknown else "another backend asked for converts its weights once")
+        + ")")
     export, export_q41 = onnx_export_dir(target_dir), onnx_export_dir(target_dir, onnx_q41.PRECISION)
     exported = is_current(Path(target_dir), export)
     exported_q41 = onnx_q41.is_current(Path(target_dir), export_q41)

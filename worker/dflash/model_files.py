@@ -382,8 +382,8 @@ def resolve_target(target: str | Path | None, quiet: bool = False, backend: str 
     once into the cache) or a named model (installed at first use). `backend`: the target
     backend asked for. A GGUF file is converted with its weights for any backend but llamacpp,
     which runs the file as it is and takes the tokenizer and config alone; `auto` takes the
-    weights where their conversion fits this machine, else runs the file in llama.cpp alone
-    (dflash.convert.target_gguf.too_big). A named model's folder is always whole."""
+    weights where transformers knows the architecture and their conversion fits this machine
+    (dflash.convert.target_gguf.too_big), else runs the file in llama.cpp alone. A named model's folder is always whole."""
     from dflash.convert.target_gguf import convert_target, is_current, is_gguf
 
     if target is None:
@@ -399,7 +399,7 @@ def resolve_target(target: str | Path | None, quiet: bool = False, backend: str 
         name = folder.name if folder.name in MODELS else None
         weights = name is not None or backend != "llamacpp"
         if weights and backend == "auto" and not is_current(folder, path, weights=True):
-            weights = not _too_big_here(path, folder)
+            weights = not _llamacpp_only(path, folder)
         return TargetFiles(convert_target(path, folder, str(path.resolve()), quiet, weights), path, name)
     if str(target) in MODELS:
         folder = ensure_target(str(target), quiet)
@@ -408,22 +408,26 @@ def resolve_target(target: str | Path | None, quiet: bool = False, backend: str 
                       f"{', '.join(MODELS)})")
 
 
-_TOO_BIG: dict[tuple, bool] = {}  # per file as it is now: a command resolves its target more than once
+_LLAMACPP_ONLY: dict[tuple, bool] = {}  # per file as it is now: a command resolves its target more than once
 
 
-def _too_big_here(path: Path, folder: Path) -> bool:
-    """Whether the fp32 conversion of the GGUF `path` does not fit this machine (said once a
-    process: reading the header of a large vocabulary takes seconds)."""
-    from dflash.convert.target_gguf import read_header, too_big
+def _llamacpp_only(path: Path, folder: Path) -> bool:
+    """Whether the GGUF `path` cannot be converted to fp32 here, for transformers does not
+    know its architecture or the conversion does not fit this machine (said once a process:
+    reading the header of a large vocabulary takes seconds)."""
+    from dflash.convert.target_gguf import NOT_CAUSAL, loadable_architectures, read_header, too_big
 
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _TOO_BIG:
-        why = too_big(read_header(path), folder)
+    if key not in _LLAMACPP_ONLY:
+        header = read_header(path)
+        why = (too_big(header, folder) if header.architecture in loadable_architectures() else
+               None if header.architecture in NOT_CAUSAL or not header.causal else  # refused by the conversion
+               f"transformers does not know its architecture '{header.architecture}'")
         if why is not None:
             say(f"{path.name}: {why}: it runs in llama.cpp as it is (the only candidate of auto)")
-        _TOO_BIG[key] = why is not None
-    return _TOO_BIG[key]
+        _LLAMACPP_ONLY[key] = why is not None
+    return _LLAMACPP_ONLY[key]
 
 
 def random_drafter_config(target_dir: Path) -> dict:

@@ -226,6 +226,21 @@ def f32_value(x) -> float:
     return float(str(np.float32(x)))
 
 
+# config.json's keys of a model's shape and the llama.cpp keys (after "ARCHITECTURE.") that
+# hold the same numbers, with how each is read.
+CONFIG_KEYS = {
+    "hidden_size": ("embedding_length", int),
+    "intermediate_size": ("feed_forward_length", int),
+    "num_hidden_layers": ("block_count", int),
+    "num_attention_heads": ("attention.head_count", int),
+    "num_key_value_heads": ("attention.head_count_kv", int),
+    "head_dim": ("attention.key_length", int),
+    "rms_norm_eps": ("attention.layer_norm_rms_epsilon", f32_value),
+    "rope_theta": ("rope.freq_base", f32_value),
+    "max_position_embeddings": ("context_length", int),
+}
+
+
 def _config_from_keys(reader: gguf.GGUFReader, path: Path, num_target_layers: int | None) -> dict:
     """config.json rebuilt from llama.cpp's keys, for a DFlash GGUF that lacks ours."""
 
@@ -252,21 +267,12 @@ def _config_from_keys(reader: gguf.GGUFReader, path: Path, num_target_layers: in
     fc = next((t for t in reader.tensors if t.name == GLOBAL_TENSORS["fc.weight"]), None)
     if fc is None:
         raise DFlashError("bad_drafter", f"{path} has no fc.weight tensor")
-    hidden = int(need(f"{ARCH}.embedding_length"))
     layers = int(need(f"{ARCH}.block_count"))
     cfg = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        "hidden_size": hidden,
-        "intermediate_size": int(need(f"{ARCH}.feed_forward_length")),
-        "num_hidden_layers": layers,
-        "num_attention_heads": int(need(f"{ARCH}.attention.head_count")),
-        "num_key_value_heads": int(need(f"{ARCH}.attention.head_count_kv")),
-        "head_dim": int(need(f"{ARCH}.attention.key_length")),
+        **{name: read(need(f"{ARCH}.{key}")) for name, (key, read) in CONFIG_KEYS.items()},
         "hidden_act": "silu",
-        "rms_norm_eps": f32_value(need(f"{ARCH}.attention.layer_norm_rms_epsilon")),
-        "rope_theta": f32_value(need(f"{ARCH}.rope.freq_base")),
-        "max_position_embeddings": int(need(f"{ARCH}.context_length")),
         "vocab_size": len(tokens),
         "block_size": int(field_value(reader, BLOCK_SIZE_KEY, 16)),
         "num_target_layers": int(num_target_layers),

@@ -16,15 +16,23 @@ transformers makes them, so a file too large for this machine's memory or the ca
 disk is refused before anything is loaded (`too_big`), naming what it needs; a model that
 large runs in llama.cpp only.
 
+An architecture transformers cannot load (llama.cpp knows many more: granite, olmo2,
+smollm3, ...) runs in llama.cpp all the same: its tokenizer is built from the file's
+tokenizer keys (transformers does that whatever the architecture) and its config holds the
+shape llama.cpp's keys state, with no `model_type` (no transformers class reads it); llama.cpp
+checks at load that it tokenises as that tokenizer does (dflash.engine.target.llamacpp). The
+hf and ort backends refuse such a file, naming the architecture.
+
 Before anything is loaded the file's header is read: a file that is not GGUF, is cut short
-(a tensor's data past the end) or holds an architecture transformers cannot load is refused
-with a `bad_target` naming the file and the architecture. The folder is written whole or
+(a tensor's data past the end) or holds no causal language model is refused with a
+`bad_target` naming the file and the architecture. The folder is written whole or
 not at all (a temporary folder renamed into place), and it records the GGUF's size and
 modification time, so a file replaced under the same name is converted again.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -36,8 +44,13 @@ from pathlib import Path
 from dflash.errors import DFlashError
 
 MAGIC = b"GGUF"
-# Architectures transformers reads from GGUF but not as a causal language model.
-NOT_CAUSAL = {"general", "tokenizer", "t5", "umt5"}
+# Architectures that are no causal language model (transformers reads some from GGUF), beside
+# any whose file says its attention is not causal (an encoder: BERT's kin, a diffusion model).
+NOT_CAUSAL = {"general", "tokenizer", "t5", "umt5", "t5encoder"}
+
+# The config key naming the GGUF architecture of a folder written for llama.cpp alone (no
+# model_type: transformers does not know the architecture).
+ARCH_KEY = "gguf_architecture"
 
 # What a folder made in the cache records of its source (one name for every kind of folder
 # there: converted targets, materialised assistants).
@@ -72,19 +85,30 @@ class TargetHeader:
     vocab_size: int | None
     name: str | None
     parameters: int  # every tensor's elements
+    config: dict  # config.json's shape keys the file states (dflash.convert.gguf_file.CONFIG_KEYS), ids, tying
+    causal: bool = True  # what ARCHITECTURE.attention.causal says (absent: causal)
 
 
 def read_header(path: Path) -> TargetHeader:
-    """The header, once the file is known whole: every tensor's data lies inside the file."""
-    import gguf
-
-    from dflash.convert.gguf_file import field_value, open_gguf
-
+    """The header, once the file is known whole: every tensor's data lies inside the file.
+    Read once a process per file as it is (a large vocabulary's takes seconds, and a command
+    looks at its target's more than once)."""
     path = Path(path)
     if not is_gguf(path):
         if not path.is_file():
             raise DFlashError("bad_target", f"GGUF file not found: {path}")
         raise DFlashError("bad_target", f"{path} is not a GGUF file (it does not start with 'GGUF')")
+    st = path.stat()
+    return _read_header(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_header(path: Path, size: int, mtime_ns: int) -> TargetHeader:
+    """read_header's work; `size` and `mtime_ns` key the cache (a file replaced is read again)."""
+    import gguf
+
+    from dflash.convert.gguf_file import CONFIG_KEYS, field_value, open_gguf
+
     try:
         reader = open_gguf(path, code="bad_target")
     except DFlashError as exc:
@@ -98,9 +122,17 @@ def read_header(path: Path) -> TargetHeader:
         raise DFlashError("bad_target", f"{path} is truncated: tensor {short.name} has {short.data.nbytes:,} of "
                           f"{short.n_bytes:,} bytes (architecture '{arch}')")
     tokens = field_value(reader, gguf.Keys.Tokenizer.LIST)
-    return TargetHeader(str(arch), field_value(reader, f"{arch}.block_count"),
-                        field_value(reader, f"{arch}.embedding_length"), len(tokens) if tokens is not None else None,
-                        field_value(reader, gguf.Keys.General.NAME), sum(int(t.n_elements) for t in reader.tensors))
+    config = {name: read(v) for name, (key, read) in CONFIG_KEYS.items()
+              if isinstance(v := field_value(reader, f"{arch}.{key}"), (int, float))}  # (a list: per layer)
+    config.update({name: int(v) for name, key in (("bos_token_id", gguf.Keys.Tokenizer.BOS_ID),
+                                                  ("eos_token_id", gguf.Keys.Tokenizer.EOS_ID))
+                   if (v := field_value(reader, key)) is not None})
+    config["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
+    if tokens is not None:
+        config["vocab_size"] = len(tokens)
+    return TargetHeader(str(arch), config.get("num_hidden_layers"), config.get("hidden_size"), config.get("vocab_size"),
+                        field_value(reader, gguf.Keys.General.NAME), sum(int(t.n_elements) for t in reader.tensors),
+                        config, field_value(reader, f"{arch}.attention.causal", True) is not False)
 
 
 # A conversion's peak memory: this many bytes per fp32 byte of weights, plus a base (the
@@ -175,6 +207,15 @@ def has_weights(folder: Path) -> bool:
         return True
 
 
+def unknown_architecture(folder: Path) -> str | None:
+    """The GGUF architecture of a folder written for llama.cpp alone, which transformers does
+    not know (None for any other folder)."""
+    try:
+        return json.loads((Path(folder) / "config.json").read_text()).get(ARCH_KEY)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def is_current(folder: Path, gguf: Path, weights: bool = False) -> bool:
     """Whether `folder` is a finished conversion of the file `gguf` is now, with the weights
     where `weights` asks for them (a marker without the file's stamp, as the first releases
@@ -205,16 +246,21 @@ def convert_target(gguf: Path, out: Path, source: str, quiet: bool = False, weig
         return out
     header = read_header(gguf)
     known = loadable_architectures()
-    if header.architecture not in known:
+    readable = header.architecture in known  # else llama.cpp alone can run it
+    listed = f"transformers reads GGUF targets of: {', '.join(sorted(known))}"
+    if header.architecture in NOT_CAUSAL or not header.causal:
         raise DFlashError("bad_target", f"{gguf}: architecture '{header.architecture}' cannot be run as a target "
-                          f"(transformers reads GGUF targets of: {', '.join(sorted(known))})")
+                                        f"(not a causal language model; {listed})")
+    if weights and not readable:
+        raise DFlashError("bad_target", f"{gguf}: architecture '{header.architecture}' cannot be run by the hf and ort "
+                                        f"backends ({listed}); --target-backend llamacpp runs the file as it is")
     why = too_big(header, out) if weights else None
     if why is not None:
         raise DFlashError("bad_target", f"{gguf} ({header.parameters / 1e9:.1f} B parameters): {why}; "
                                         "--target-backend llamacpp runs the file as it is")
     import torch
     from tqdm import tqdm
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     size = gguf.stat().st_size
     if not quiet:
@@ -226,19 +272,23 @@ def convert_target(gguf: Path, out: Path, source: str, quiet: bool = False, weig
     try:
         try:
             stages.set_postfix_str("tokenizer")
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            # transformers builds a GGUF's tokenizer from its tokenizer keys, whatever the
+            # architecture; AutoTokenizer would first read the config, known architectures only
+            tok = (AutoTokenizer if readable else PreTrainedTokenizerFast).from_pretrained(gguf.parent,
+                                                                                          gguf_file=gguf.name)
             stages.update()
             stages.set_postfix_str("dequantize weights" if weights else "config")
             model = (AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
                      if weights else None)
-            config = model.config if weights else AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            config = (model.config if weights else AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+                      if readable else None)
         except MemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 (whatever transformers finds wrong with the file, it is the file's)
             raise DFlashError("bad_target", f"{gguf} (architecture '{header.architecture}'): transformers cannot "
                               f"load it: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
         # The weights are plain fp32 now; drop the GGUF marker so save_pretrained writes safetensors.
-        if hasattr(config, "quantization_config"):
+        if config is not None and hasattr(config, "quantization_config"):
             del config.quantization_config
         stages.update()
         stages.set_postfix_str("save")
@@ -247,8 +297,13 @@ def convert_target(gguf: Path, out: Path, source: str, quiet: bool = False, weig
             model.is_quantized = False
             model.save_pretrained(tmp)
             del model
-        else:
+        elif config is not None:
             config.save_pretrained(tmp)
+        else:
+            # the shape llama.cpp's keys state, for what reads a config (no model_type:
+            # transformers has no class for it; dflash.engine.target.hf_files reads it plainly)
+            (tmp / "config.json").write_text(json.dumps({ARCH_KEY: header.architecture, **header.config},
+                                                        indent=2) + "\n")
         tok.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps({"source": source, "architecture": header.architecture,
                                               "weights": weights, **_stamp(gguf)}) + "\n")

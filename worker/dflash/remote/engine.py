@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash.chat import tokenizer_disagreement
 from dflash.engine.engine import GenerationRequest, GenerationResult, RequestChecks, check_prior, constraint_of
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.state import StepResult
@@ -37,10 +38,6 @@ from dflash.remote.dialects import probe, served_ids, vocab_size
 from dflash.remote.openai_client import END, Endpoint, Piece, Stream
 
 log = logging.getLogger("dflash.remote")
-# Tokenised by the server and here at start-up: words, code, digits, whitespace runs and
-# scripts beyond ASCII, so two vocabularies that share a size (or most entries) still differ.
-TOKENIZER_PROBE = ("def área(r):\n    return 3.14159 * r ** 2  # Größe, naïve café, 東京, Москва 🙂\n\n"
-                   "\tSELECT id, \"name\" FROM t WHERE x >= 12345;   ")
 WAIT_S = 0.02  # the longest a step waits for news: the scheduler checks cancel and deadline between steps
 UNSUPPORTED = "the inference endpoint chooses its own draft lengths and verify rule"
 
@@ -388,24 +385,17 @@ def check_tokenizer(endpoint: Endpoint, dialect, tokenizer, source) -> bool:
     /tokenize must give our ids for a probe text and for that text in our chat template
     (its markup: the special tokens' ids). A difference is bad_target; a server without
     /tokenize cannot be checked (logged; False: the engine then sends text)."""
-    probes = [TOKENIZER_PROBE]
-    if getattr(tokenizer, "chat_template", None):
-        probes.append(tokenizer.apply_chat_template([{"role": "user", "content": TOKENIZER_PROBE}],
-                                                    add_generation_prompt=True, tokenize=False))
-    for text in probes:
-        served = served_ids(endpoint, dialect, text)
-        if served is None:
-            log.warning("the inference endpoint %s has no /tokenize: cannot check that the tokenizer of %s is the "
-                        "served model's, so prompts go to it as text (its own tokenizer reads them)", endpoint.url,
-                        source)
-            return False
-        ours = tokenizer(text, add_special_tokens=False).input_ids
-        if served != ours:
-            at = next((i for i, (a, b) in enumerate(zip(served, ours)) if a != b), min(len(served), len(ours)))
-            raise DFlashError("bad_target", f"the served model {dialect.model} does not tokenise as the tokenizer of "
-                              f"{source} does (a probe text: {len(served)} ids there, {len(ours)} here, first "
-                              f"difference at id {at}): pass --target with the served model's GGUF file, folder or "
-                              "name")
+    try:
+        differs = tokenizer_disagreement(tokenizer, lambda text: served_ids(endpoint, dialect, text))
+    except LookupError:
+        log.warning("the inference endpoint %s has no /tokenize: cannot check that the tokenizer of %s is the "
+                    "served model's, so prompts go to it as text (its own tokenizer reads them)", endpoint.url,
+                    source)
+        return False
+    if differs is not None:
+        raise DFlashError("bad_target", f"the served model {dialect.model} does not tokenise as the tokenizer of "
+                          f"{source} does ({differs}): pass --target with the served model's GGUF file, folder or "
+                          "name")
     return True
 
 

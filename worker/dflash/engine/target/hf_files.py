@@ -103,11 +103,23 @@ def read_gguf_tensors(path: Path, names: tuple[str, ...]) -> dict[str, torch.Ten
             for name in names if (t := stored.get(GGUF_NAMES[name])) is not None}
 
 
+def read_config(folder: Path):
+    """The folder's (text) config; one without a `model_type` (a GGUF architecture
+    transformers has no class for, run by llama.cpp: dflash.convert.target_gguf) as the plain
+    keys it holds."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if "model_type" not in json.loads((Path(folder) / "config.json").read_text()):
+        return PretrainedConfig.from_pretrained(folder)
+    cfg = AutoConfig.from_pretrained(folder)
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
 def read_hf_side(hf_dir: Path, backend: str, model_file: Path, what: str, gguf: Path | None = None) -> HFSide:
     """The Hugging Face side of a backend that runs `model_file` (a `what`), both checked.
     `gguf`: the GGUF file the backend runs, which lends the embedding and head where the
     folder holds no weights (a GGUF target converted for llama.cpp alone)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     hf_dir = Path(hf_dir)
     if not Path(model_file).is_file():
@@ -115,8 +127,7 @@ def read_hf_side(hf_dir: Path, backend: str, model_file: Path, what: str, gguf: 
     if not (hf_dir / "config.json").is_file():
         raise DFlashError("bad_target", f"{backend} backend: {hf_dir} has no config.json (the tokenizer, embedding and "
                                         "LM head come from the target's Hugging Face folder)")
-    cfg = AutoConfig.from_pretrained(hf_dir)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    cfg = read_config(hf_dir)
     shapes = tensor_shapes(hf_dir, (EMBED, HEAD))
     lender = None
     if EMBED not in shapes and gguf is not None and not list(hf_dir.glob("*.safetensors")):

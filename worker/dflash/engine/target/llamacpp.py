@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash.chat import tokenizer_disagreement
 from dflash.engine.target.hf_files import BorrowedHead, read_hf_side
 from dflash.engine.target.protocol import TargetOutput, TargetRow
 from dflash.errors import DFlashError
@@ -160,6 +161,12 @@ class LlamaCppTarget(BorrowedHead):
         if tuple(side.embed_shape) != (self.vocab_size, self.hidden_size):
             raise DFlashError("bad_target", f"{hf_dir}'s embedding {tuple(side.embed_shape)} does not fit {gguf}")
         self.tokenizer, self.eos_ids = side.tokenizer, side.eos_ids
+        differs = tokenizer_disagreement(self.tokenizer, self._llama_ids) if self.tokenizer is not None else None
+        if differs is not None:
+            self.close()
+            raise DFlashError("bad_target", f"llama.cpp tokenises {gguf} otherwise than the tokenizer in {hf_dir} "
+                                            f"does ({differs}): prompts would reach the model as ids it does not "
+                                            "make of that text")
         self.device = torch.device("cpu")
         self.dtype = torch.float32  # of what it returns (logits, features); the weights stay quantized
 
@@ -243,6 +250,14 @@ class LlamaCppTarget(BorrowedHead):
             rows_all = np.array([r for r, _ in part])
             for r in np.unique(rows_all):
                 feats[r].append(hid[rows_all == r])
+
+    def _llama_ids(self, text: str) -> list[int]:
+        """llama.cpp's ids of `text`: its special-token text parsed, nothing added."""
+        raw = text.encode()
+        room = len(raw) + 1  # a token is at least one byte
+        ids = (self._C.llama_token * room)()
+        n = self._C.llama_tokenize(self._C.llama_model_get_vocab(self.model), raw, len(raw), ids, room, False, True)
+        return list(ids[:n])
 
     def _free_model(self) -> None:
         self._C.llama_model_free(self.model)
