@@ -299,6 +299,14 @@ def test_a_gguf_too_big_to_convert_runs_in_llamacpp_as_it_is(smol_dir, cache, tm
     assert not list(files.folder.glob("*.safetensors")) and not target_gguf.has_weights(files.folder)
     assert model_files.resolve_target(str(path), quiet=True, backend="llamacpp").folder == files.folder
     assert target_gguf.is_current(files.folder, path) and not target_gguf.is_current(files.folder, path, weights=True)
+    # a later command (another process: nothing remembered) decides from the folder's marker,
+    # without reading the file's header again (seconds for a large vocabulary)
+    model_files._LLAMACPP_ONLY.clear()
+    read_header = target_gguf.read_header
+    monkeypatch.setattr(target_gguf, "read_header", lambda p: pytest.fail(f"{p}'s header read again"))
+    assert model_files.resolve_target(str(path), quiet=True, backend="auto") == files
+    assert capsys.readouterr().err.count("runs in llama.cpp as it is") == 1
+    monkeypatch.setattr(target_gguf, "read_header", read_header)
     builders = target_builders(files.folder, gguf=path)
     for name in ("hf", "ort", "ort-q4_1", "ort-q4_k_m"):
         assert "tokenizer and config" in builders[name].why_not, name
@@ -366,6 +374,9 @@ def test_an_architecture_only_llamacpp_knows_runs_there(smol_dir, cache, tmp_pat
     assert not (cache / "targets").exists() or not any((cache / "targets").iterdir())
 
     files = model_files.resolve_target(str(path), quiet=True, backend="auto")
+    assert "transformers does not know its architecture 'mistral3'" in capsys.readouterr().err
+    model_files._LLAMACPP_ONLY.clear()  # another command: the folder's marker says it
+    assert model_files.resolve_target(str(path), quiet=True, backend="auto") == files
     assert "transformers does not know its architecture 'mistral3'" in capsys.readouterr().err
     assert unknown_architecture(files.folder) == "mistral3" and not has_weights(files.folder)
     assert model_files.resolve_target(str(path), quiet=True, backend="llamacpp").folder == files.folder

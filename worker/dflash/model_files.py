@@ -413,17 +413,16 @@ _LLAMACPP_ONLY: dict[tuple, bool] = {}  # per file as it is now: a command resol
 
 def _llamacpp_only(path: Path, folder: Path) -> bool:
     """Whether the GGUF `path` cannot be converted to fp32 here, for transformers does not
-    know its architecture or the conversion does not fit this machine (said once a process:
-    reading the header of a large vocabulary takes seconds)."""
-    from dflash.convert.target_gguf import NOT_CAUSAL, loadable_architectures, read_header, too_big
+    know its architecture or the conversion does not fit this machine (said once a process)."""
+    from dflash.convert.target_gguf import NOT_CAUSAL, loadable_architectures, summary, too_big
 
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _LLAMACPP_ONLY:
-        header = read_header(path)
-        why = (too_big(header, folder) if header.architecture in loadable_architectures() else
-               None if header.architecture in NOT_CAUSAL or not header.causal else  # refused by the conversion
-               f"transformers does not know its architecture '{header.architecture}'")
+        architecture, parameters, causal = summary(path, folder)
+        why = (too_big(parameters, folder) if architecture in loadable_architectures() else
+               None if architecture in NOT_CAUSAL or not causal else  # refused by the conversion
+               f"transformers does not know its architecture '{architecture}'")
         if why is not None:
             say(f"{path.name}: {why}: it runs in llama.cpp as it is (the only candidate of auto)")
         _LLAMACPP_ONLY[key] = why is not None

@@ -153,10 +153,10 @@ def available_memory() -> int:
     return sys.maxsize  # not Linux: not checked
 
 
-def too_big(header: TargetHeader, out: Path) -> str | None:
-    """Why the fp32 conversion of a file with this header cannot be made here (None: it can):
-    its peak memory above what is available, or its folder above the free disk under `out`."""
-    weights = 4 * header.parameters
+def too_big(parameters: int, out: Path) -> str | None:
+    """Why the fp32 conversion of a file of this many parameters cannot be made here (None: it
+    can): its peak memory above what is available, or its folder above the free disk under `out`."""
+    weights = 4 * parameters
     need, have = int(CONVERSION_PEAK * weights) + CONVERSION_BASE, available_memory()
     if need > have:
         return (f"its fp32 conversion (for the hf and ort backends) needs about {need / 2**30:.1f} GiB of memory, "
@@ -207,6 +207,20 @@ def has_weights(folder: Path) -> bool:
         return True
 
 
+def summary(gguf: Path, folder: Path) -> tuple[str, int, bool]:
+    """(architecture, parameters, causal) of `gguf`: from the marker of its current conversion
+    in `folder` where that records them (a large vocabulary's header takes seconds to read,
+    at every start of a command that asks), else from the header."""
+    try:
+        marker = json.loads((Path(folder) / MARKER).read_text())
+    except (OSError, ValueError):
+        marker = {}
+    if "parameters" in marker and is_current(Path(folder), Path(gguf)):
+        return marker["architecture"], int(marker["parameters"]), True  # only a causal model is converted
+    header = read_header(gguf)
+    return header.architecture, header.parameters, header.causal
+
+
 def unknown_architecture(folder: Path) -> str | None:
     """The GGUF architecture of a folder written for llama.cpp alone, which transformers does
     not know (None for any other folder)."""
@@ -254,7 +268,7 @@ def convert_target(gguf: Path, out: Path, source: str, quiet: bool = False, weig
     if weights and not readable:
         raise DFlashError("bad_target", f"{gguf}: architecture '{header.architecture}' cannot be run by the hf and ort "
                                         f"backends ({listed}); --target-backend llamacpp runs the file as it is")
-    why = too_big(header, out) if weights else None
+    why = too_big(header.parameters, out) if weights else None
     if why is not None:
         raise DFlashError("bad_target", f"{gguf} ({header.parameters / 1e9:.1f} B parameters): {why}; "
                                         "--target-backend llamacpp runs the file as it is")
@@ -306,7 +320,8 @@ def convert_target(gguf: Path, out: Path, source: str, quiet: bool = False, weig
                                                         indent=2) + "\n")
         tok.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps({"source": source, "architecture": header.architecture,
-                                              "weights": weights, **_stamp(gguf)}) + "\n")
+                                              "weights": weights, "parameters": header.parameters,
+                                              **_stamp(gguf)}) + "\n")
         stages.update()
         if out.exists():
             shutil.rmtree(out)
