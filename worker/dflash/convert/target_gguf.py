@@ -198,23 +198,26 @@ def _stamp(path: Path) -> dict:
     return {"gguf": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(path)}
 
 
+def _marker(folder: Path) -> dict | None:
+    """What a folder made in the cache records of its source; None where it records nothing."""
+    try:
+        return json.loads((Path(folder) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def has_weights(folder: Path) -> bool:
     """Whether a target folder holds the weights: False only for one converted from a GGUF
     with its tokenizer and config alone (a user's own folder is taken as it is)."""
-    try:
-        return json.loads((Path(folder) / MARKER).read_text()).get("weights", True) is not False
-    except (OSError, ValueError):
-        return True
+    marker = _marker(folder)
+    return marker is None or marker.get("weights", True) is not False
 
 
 def summary(gguf: Path, folder: Path) -> tuple[str, int, bool]:
     """(architecture, parameters, causal) of `gguf`: from the marker of its current conversion
     in `folder` where that records them (a large vocabulary's header takes seconds to read,
     at every start of a command that asks), else from the header."""
-    try:
-        marker = json.loads((Path(folder) / MARKER).read_text())
-    except (OSError, ValueError):
-        marker = {}
+    marker = _marker(folder) or {}
     if "parameters" in marker and is_current(Path(folder), Path(gguf)):
         return marker["architecture"], int(marker["parameters"]), True  # only a causal model is converted
     header = read_header(gguf)
@@ -237,9 +240,8 @@ def is_current(folder: Path, gguf: Path, weights: bool = False) -> bool:
     The same bytes at another path or time count too: a packaged model's copy in another
     virtual environment must not convert the folder again, which would also leave the ONNX
     exports made from it behind (their key holds the folder's files)."""
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError):
+    marker = _marker(folder)
+    if marker is None:
         return False
     if weights and marker.get("weights", True) is False:
         return False
